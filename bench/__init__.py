@@ -1,0 +1,1 @@
+"""Benchmarks: the offline engine benchmark here; the HTTP load generator comes with `radixserve bench`."""

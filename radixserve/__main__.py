@@ -1,0 +1,3 @@
+from radixserve.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,74 @@
+"""The `radixserve` command: offline generation on the engine (and, as they land, serve and bench)."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from services.gpu_worker.request import SamplingParams
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="radixserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text offline with the engine (no services)")
+    gen.add_argument("prompt", help="the user message (or raw prompt with --raw)")
+    gen.add_argument("--model", default="bundled",
+                     help='"bundled" (SmolLM2-135M-Instruct), a Hugging Face directory, or random:<preset>')
+    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    gen.add_argument("--system", default=None, help="a system message for the chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--device", default="auto")
+    gen.add_argument("--dtype", default="auto")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "generate":
+        return _generate(args)
+    return 2
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from services.gpu_worker.engine import Engine
+    from services.gpu_worker.engine_config import EngineConfig
+
+    print(f"loading {args.model} ...", file=sys.stderr, flush=True)
+    started = time.perf_counter()
+    engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype))
+    print(f"loaded in {time.perf_counter() - started:.1f}s on {engine.device}", file=sys.stderr, flush=True)
+    tokenizer = engine.tokenizer
+    if tokenizer is None:
+        print("error: this model has no tokenizer; use a Hugging Face directory or the bundled model",
+              file=sys.stderr)
+        return 2
+    prompt_ids = _encode(tokenizer, args)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    engine.add_request("cli", prompt_ids, params)
+    output_ids: list[int] = []
+    printed = ""
+    while engine.has_unfinished():
+        for out in engine.step():
+            output_ids.extend(out.token_ids)
+        text = tokenizer.decode(output_ids, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):  # never print half a UTF-8 character
+            sys.stdout.write(text[len(printed):])
+            sys.stdout.flush()
+            printed = text
+    sys.stdout.write("\n")
+    return 0
+
+
+def _encode(tokenizer, args: argparse.Namespace) -> list[int]:
+    if args.raw or not getattr(tokenizer, "chat_template", None):
+        return tokenizer.encode(args.prompt)
+    messages = ([{"role": "system", "content": args.system}] if args.system else [])
+    messages.append({"role": "user", "content": args.prompt})
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)

@@ -1,0 +1,49 @@
+"""The attention backend contract: what one engine step tells a backend, and what it must compute."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from services.gpu_worker.kv_cache import KVCache
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens sit in the paged cache. T new tokens over B sequences.
+
+    Sequence i contributes new tokens q[query_start[i]:query_start[i+1]], which sit at positions
+    [seq_lens[i] - n_i, seq_lens[i]) of that sequence; each attends causally to positions [0, its own].
+
+        seq i:  |<---- cached prefix ---->|<-- n_i new -->|
+                0                seq_lens[i]-n_i     seq_lens[i]
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: page_id * page_size + offset of each new token
+    query_start: torch.Tensor  # [B + 1] int32: cumulative new-token counts
+    seq_lens: torch.Tensor  # [B] int32: tokens in the cache after this step
+    page_table: torch.Tensor  # [B, max_pages] int32: page ids, padded with page 0
+    query_start_host: list[int]
+    seq_lens_host: list[int]
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend(ABC):
+    """Writes the new K/V into the paged cache, then attends each new query to its sequence."""
+
+    name: str = "base"
+
+    @abstractmethod
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D] → [T, H, D]."""

