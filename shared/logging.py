@@ -1,0 +1,22 @@
+"""Structured logging: JSON lines in containers (or when RADIXSERVE_LOG_JSON=1), readable on a terminal."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import structlog
+
+
+def configure_logging(service: str, level: str | None = None) -> None:
+    level_name = (level or os.environ.get("RADIXSERVE_LOG_LEVEL", "info")).upper()
+    is_json = os.environ.get("RADIXSERVE_LOG_JSON", "1" if not sys.stderr.isatty() else "0") == "1"
+    renderer = structlog.processors.JSONRenderer() if is_json else structlog.dev.ConsoleRenderer(colors=False)
+    structlog.configure(
+        processors=[structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
+                    structlog.processors.TimeStamper(fmt="iso"), structlog.processors.format_exc_info,
+                    renderer],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level_name)),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True)
+    structlog.contextvars.bind_contextvars(service=service)
