@@ -1,6 +1,7 @@
 """Thin ZeroMQ wrappers: typed send/receive of MessagePack frames, size limits, and a pool of PUSH sockets."""
 from __future__ import annotations
 
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -101,3 +102,12 @@ class PushPool:
     def close(self) -> None:
         for addr in list(self._sockets):
             self.drop(addr)
+
+
+def advertised(addr: str) -> str:
+    """The address peers should connect to: a wildcard bind host becomes this machine's hostname
+    (a container's name on the compose network)."""
+    for wildcard in ("tcp://0.0.0.0:", "tcp://*:"):
+        if addr.startswith(wildcard):
+            return f"tcp://{socket.gethostname()}:{addr[len(wildcard):]}"
+    return addr

@@ -1,0 +1,1 @@
+"""The gateway service: the OpenAI-compatible HTTP front door of radixserve."""

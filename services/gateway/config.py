@@ -1,0 +1,43 @@
+"""The gateway's one frozen config: HTTP listener, peer addresses, auth keys and request limits."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """OpenAI-compatible HTTP gateway (python -m services.gateway)."""
+
+    host: str = field(default="0.0.0.0", metadata=_help("HTTP listen host"))
+    port: int = field(default=8000, metadata=_help("HTTP listen port"))
+    tokenizer_addrs: str = field(default="tcp://127.0.0.1:5550", metadata=_help("comma-separated tokenizer ROUTERs"))
+    scheduler_addrs: str = field(default="tcp://127.0.0.1:5560", metadata=_help("comma-separated scheduler ROUTERs"))
+    model_id: str = field(default="", metadata=_help("served model id; empty: learned from the scheduler"))
+    api_keys: str = field(default="", metadata=_help("comma-separated accepted Bearer keys; empty: no auth"))
+    max_body_bytes: int = field(default=4 << 20, metadata=_help("largest accepted request body"))
+    request_timeout_s: float = field(default=600.0, metadata=_help("end-to-end limit of one request"))
+    max_concurrent_requests: int = field(default=1024, metadata=_help("generations in flight; beyond → 429"))
+    default_chat_max_tokens: int = field(default=1024, metadata=_help("chat max_tokens when the body has none"))
+    peer_timeout_s: float = field(default=2.0, metadata=_help("wait for a peer to take a message or answer status"))
+    status_cache_s: float = field(default=0.5, metadata=_help("reuse a StatusReply this long"))
+    log_level: str = field(default="info", metadata=_help("debug, info, warning or error"))
+
+    @property
+    def tokenizer_addr_list(self) -> list[str]:
+        return _split(self.tokenizer_addrs)
+
+    @property
+    def scheduler_addr_list(self) -> list[str]:
+        return _split(self.scheduler_addrs)
+
+    @property
+    def api_key_list(self) -> list[str]:
+        return _split(self.api_keys)
+
+
+def _split(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]

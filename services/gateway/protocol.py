@@ -1,0 +1,368 @@
+"""OpenAI request bodies → validated GenerateRequest, with OpenAI-shaped errors (pure: no I/O, no aiohttp)."""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from shared.messages import ChatMessage, GenerateRequest, SamplingSpec
+
+MAX_N = 16
+MAX_STOP = 4
+MAX_CHAT_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+# Accepted for compatibility; they do not change the output.
+_IGNORED = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+            "prompt_cache_retention", "prompt_cache_options", "reasoning_effort", "verbosity",
+            "parallel_tool_calls", "moderation"}
+# radixserve (vLLM-style) extensions, on both endpoints.
+_EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens"}
+_COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "n", "stop",
+           "presence_penalty", "frequency_penalty", "logprobs", "seed", "logit_bias"}
+CHAT_PARAMS = frozenset(_COMMON | _EXTENSIONS | _IGNORED | {
+    "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
+    "functions", "function_call", "audio", "prediction", "web_search_options", "modalities"})
+COMPLETION_PARAMS = frozenset(_COMMON | _EXTENSIONS | {"prompt", "best_of", "echo", "suffix", "user"})
+
+# Parameters we recognise but cannot honour: any value other than a neutral one is refused.
+_NEUTRAL: dict[str, Callable[[Any], bool]] = {
+    "tools": lambda v: v == [],
+    "tool_choice": lambda v: v == "none",
+    "functions": lambda v: v == [],
+    "function_call": lambda v: v == "none",
+    "logit_bias": lambda v: v == {},
+    "audio": lambda v: False,
+    "prediction": lambda v: False,
+    "web_search_options": lambda v: False,
+    "modalities": lambda v: v == ["text"],
+    "echo": lambda v: v is False,
+    "suffix": lambda v: v == "",
+}
+
+
+class ApiError(Exception):
+    """An error returned to the client as {"error": {message, type, param, code}} with an HTTP status."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """A validated request: what to send to the tokenizer, and how to shape the answer."""
+
+    generate: GenerateRequest
+    model: str
+    is_chat: bool
+    is_stream: bool
+    include_usage: bool
+
+    @property
+    def request_id(self) -> str:
+        return self.generate.request_id
+
+    @property
+    def has_logprobs(self) -> bool:
+        return self.generate.sampling.logprobs is not None
+
+
+def parse_json_body(raw: bytes) -> Any:
+    try:
+        return msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"We could not parse the JSON body of your request: {exc}",
+                       code="invalid_json") from None
+
+
+def parse_chat_request(body: Any, *, request_id: str, model_ids: Collection[str], default_max_tokens: int,
+                       deadline_s: float | None = None) -> ParsedRequest:
+    """Validate a POST /v1/chat/completions body; raises ApiError on the first problem found."""
+    body = _check_envelope(body, CHAT_PARAMS, model_ids, required="messages")
+    messages = parse_messages(body["messages"])
+    max_tokens = _int(body, "max_completion_tokens", 1, INT32_MAX, _int(body, "max_tokens", 1, INT32_MAX,
+                                                                          default_max_tokens))
+    _check_response_format(body.get("response_format"))
+    is_logprobs = _bool(body, "logprobs", False)
+    top_logprobs = _int(body, "top_logprobs", 0, MAX_CHAT_TOP_LOGPROBS, None)
+    if top_logprobs is not None and not is_logprobs:
+        raise ApiError(400, "Invalid value for 'top_logprobs': 'logprobs' must be true when 'top_logprobs' "
+                            "is set.", param="top_logprobs", code="invalid_value")
+    sampling = _sampling(body, max_tokens, (top_logprobs or 0) if is_logprobs else None)
+    return _parsed(body, GenerateRequest(request_id, sampling, messages=messages, stop=parse_stop(body.get("stop")),
+                                         skip_special_tokens=_bool(body, "skip_special_tokens", True),
+                                         deadline_s=deadline_s), is_chat=True)
+
+
+def parse_completion_request(body: Any, *, request_id: str, model_ids: Collection[str],
+                             deadline_s: float | None = None) -> ParsedRequest:
+    """Validate a POST /v1/completions body; raises ApiError on the first problem found."""
+    body = _check_envelope(body, COMPLETION_PARAMS, model_ids, required="prompt")
+    prompt_text, prompt_ids = parse_prompt(body["prompt"])
+    max_tokens = _int(body, "max_tokens", 1, INT32_MAX, 16)
+    logprobs = _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS, None)
+    sampling = _sampling(body, max_tokens, logprobs)
+    best_of = _int(body, "best_of", 1, MAX_N, None)
+    if best_of is not None and best_of != sampling.n:
+        raise _unsupported("best_of")
+    generate = GenerateRequest(request_id, sampling, prompt_text=prompt_text, prompt_token_ids=prompt_ids,
+                               stop=parse_stop(body.get("stop")),
+                               skip_special_tokens=_bool(body, "skip_special_tokens", True), deadline_s=deadline_s)
+    return _parsed(body, generate, is_chat=False)
+
+
+def parse_messages(value: Any) -> list[ChatMessage]:
+    """Chat messages → ChatMessage list; `developer` becomes `system`, text parts are joined by newlines."""
+    if not isinstance(value, list):
+        raise _type_error("messages", "an array", value)
+    if not value:
+        raise ApiError(400, "Invalid 'messages': empty array. Expected an array with minimum length 1, but got "
+                            "an empty array instead.", param="messages", code="empty_array")
+    return [_parse_message(m, f"messages[{i}]") for i, m in enumerate(value)]
+
+
+def parse_prompt(value: Any) -> tuple[str | None, list[int] | None]:
+    """A completions prompt → (text, None) or (None, token ids); batches of several prompts are refused."""
+    if isinstance(value, str):
+        return value, None
+    if not isinstance(value, list):
+        raise _type_error("prompt", "a string or an array", value)
+    if not value:
+        raise ApiError(400, "Invalid 'prompt': empty array.", param="prompt", code="empty_array")
+    if all(isinstance(x, str) for x in value) or all(isinstance(x, list) for x in value):
+        if len(value) > 1:
+            raise ApiError(400, "Batched prompts are not supported: send one prompt per request.",
+                           param="prompt", code="unsupported_value")
+        return parse_prompt(value[0]) if isinstance(value[0], str) else (None, _token_ids(value[0], "prompt[0]"))
+    return None, _token_ids(value, "prompt")
+
+
+def parse_stop(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value] if value else []
+    if not isinstance(value, list):
+        raise _type_error("stop", "a string or an array of strings", value)
+    if len(value) > MAX_STOP:
+        raise ApiError(400, f"Invalid 'stop': array too long. Expected an array with maximum length {MAX_STOP}, "
+                            f"but got an array with length {len(value)} instead.", param="stop",
+                       code="array_above_max_length")
+    for i, s in enumerate(value):
+        if not isinstance(s, str):
+            raise _type_error(f"stop[{i}]", "a string", s)
+    return [s for s in value if s]
+
+
+def _check_envelope(body: Any, allowed: frozenset[str], model_ids: Collection[str], required: str) -> dict:
+    if not isinstance(body, dict):
+        raise ApiError(400, "Invalid request body: expected a JSON object.", code="invalid_type")
+    for key in body:
+        if key not in allowed:
+            raise ApiError(400, f"Unrecognized request argument supplied: {key}")
+    for key in ("model", required):
+        if body.get(key) is None:
+            raise ApiError(400, f"Missing required parameter: '{key}'.", param=key,
+                           code="missing_required_parameter")
+    model = body["model"]
+    if not isinstance(model, str):
+        raise _type_error("model", "a string", model)
+    if model not in model_ids:
+        raise model_not_found(model)
+    for key, is_neutral in _NEUTRAL.items():
+        if body.get(key) is not None and not is_neutral(body[key]):
+            raise _unsupported(key)
+    return body
+
+
+def model_not_found(model: str) -> ApiError:
+    return ApiError(404, f"The model `{model}` does not exist or you do not have access to it.",
+                    code="model_not_found")
+
+
+def _parsed(body: dict, generate: GenerateRequest, is_chat: bool) -> ParsedRequest:
+    is_stream = _bool(body, "stream", False)
+    options = body.get("stream_options")
+    if options is not None and not is_stream:
+        raise ApiError(400, "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                       param="stream_options", code="invalid_value")
+    if options is not None and not isinstance(options, dict):
+        raise _type_error("stream_options", "an object", options)
+    include_usage = _bool(options or {}, "include_usage", False, prefix="stream_options.")
+    return ParsedRequest(generate, body["model"], is_chat, is_stream, include_usage)
+
+
+def _sampling(body: dict, max_tokens: int, logprobs: int | None) -> SamplingSpec:
+    top_k = _int(body, "top_k", -1, INT32_MAX, 0)
+    return SamplingSpec(
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 0.0, 2.0, 1.0),
+        top_p=_number(body, "top_p", 0.0, 1.0, 1.0, is_lo_open=True),
+        top_k=max(top_k, 0),
+        min_p=_number(body, "min_p", 0.0, 1.0, 0.0),
+        presence_penalty=_number(body, "presence_penalty", -2.0, 2.0, 0.0),
+        frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0, 0.0),
+        repetition_penalty=_number(body, "repetition_penalty", 0.0, math.inf, 1.0, is_lo_open=True),
+        seed=_int(body, "seed", INT64_MIN, INT64_MAX, None),
+        stop_token_ids=_token_ids(body["stop_token_ids"], "stop_token_ids", allow_empty=True)
+        if body.get("stop_token_ids") is not None else [],
+        ignore_eos=_bool(body, "ignore_eos", False),
+        n=_int(body, "n", 1, MAX_N, 1),
+        logprobs=logprobs)
+
+
+def _check_response_format(value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise _type_error("response_format", "an object", value)
+    kind = value.get("type")
+    if kind != "text":
+        raise ApiError(400, f"Unsupported value: 'response_format.type' does not support {kind!r} on this "
+                            "server; only 'text' is supported.", param="response_format.type",
+                       code="unsupported_value")
+
+
+def _parse_message(message: Any, param: str) -> ChatMessage:
+    if not isinstance(message, dict):
+        raise _type_error(param, "an object", message)
+    role = message.get("role")
+    if role is None:
+        raise ApiError(400, f"Missing required parameter: '{param}.role'.", param=f"{param}.role",
+                       code="missing_required_parameter")
+    if role not in CHAT_ROLES:
+        supported = ", ".join(f"'{r}'" for r in CHAT_ROLES)
+        raise ApiError(400, f"Invalid value: {role!r}. Supported values are: {supported}.",
+                       param=f"{param}.role", code="invalid_value")
+    for key in ("tool_calls", "function_call", "audio"):
+        if message.get(key):
+            raise _unsupported(f"{param}.{key}")
+    content = _message_content(message.get("content"), role, f"{param}.content")
+    return ChatMessage("system" if role == "developer" else role, content)
+
+
+def _message_content(value: Any, role: str, param: str) -> str:
+    if value is None:
+        if role == "assistant":
+            return ""
+        raise ApiError(400, f"Missing required parameter: '{param}'.", param=param,
+                       code="missing_required_parameter")
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise _type_error(param, "a string or an array of content parts", value)
+    return "\n".join(_text_part(part, f"{param}[{i}]") for i, part in enumerate(value))
+
+
+def _text_part(part: Any, param: str) -> str:
+    if not isinstance(part, dict):
+        raise _type_error(param, "an object", part)
+    if part.get("type") != "text":
+        raise ApiError(400, f"Unsupported value: '{param}.type' does not support {part.get('type')!r} on this "
+                            "server; only 'text' content parts are supported.", param=f"{param}.type",
+                       code="unsupported_value")
+    text = part.get("text")
+    if not isinstance(text, str):
+        raise _type_error(f"{param}.text", "a string", text)
+    return text
+
+
+def _token_ids(value: Any, param: str, allow_empty: bool = False) -> list[int]:
+    if not isinstance(value, list):
+        raise _type_error(param, "an array of integers", value)
+    if not value and not allow_empty:
+        raise ApiError(400, f"Invalid '{param}': empty array.", param=param, code="empty_array")
+    for i, token_id in enumerate(value):
+        if not _is_int(token_id):
+            raise _type_error(f"{param}[{i}]", "an integer", token_id)
+        if not 0 <= token_id <= INT32_MAX:
+            raise ApiError(400, f"Invalid '{param}[{i}]': {token_id} is not a valid token id.",
+                           param=f"{param}[{i}]", code="invalid_value")
+    return list(value)
+
+
+def _number(body: dict, name: str, lo: float, hi: float, default: float, is_lo_open: bool = False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value):
+        raise _type_error(name, "a decimal", value)
+    if value < lo or (is_lo_open and value == lo):
+        bound = f"> {_fmt(lo)}" if is_lo_open else f">= {_fmt(lo)}"
+        raise _range_error(name, "decimal", "below minimum", bound, value)
+    if value > hi:
+        raise _range_error(name, "decimal", "above maximum", f"<= {_fmt(hi)}", value)
+    return float(value)
+
+
+def _int(body: dict, name: str, lo: int, hi: int, default: Any) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_int(value):
+        raise _type_error(name, "an integer", value)
+    if value < lo:
+        raise _range_error(name, "integer", "below minimum", f">= {lo}", value)
+    if value > hi:
+        raise _range_error(name, "integer", "above maximum", f"<= {hi}", value)
+    return value
+
+
+def _bool(body: dict, name: str, default: bool, prefix: str = "") -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _type_error(prefix + name, "a boolean", value)
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _fmt(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def _json_type(value: Any) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a decimal", str: "a string", list: "an array",
+             dict: "an object", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _type_error(param: str, expected: str, value: Any) -> ApiError:
+    return ApiError(400, f"Invalid type for '{param}': expected {expected}, but got {_json_type(value)} instead.",
+                    param=param, code="invalid_type")
+
+
+def _range_error(param: str, kind: str, where: str, bound: str, value: Any) -> ApiError:
+    code = f"{kind}_{where.replace(' ', '_').replace('minimum', 'min').replace('maximum', 'max')}_value"
+    return ApiError(400, f"Invalid '{param}': {kind} {where} value. Expected a value {bound}, but got {value} "
+                         "instead.", param=param, code=code)
+
+
+def _unsupported(param: str) -> ApiError:
+    return ApiError(400, f"Unsupported parameter: '{param}' is not supported by this server.", param=param,
+                    code="unsupported_parameter")

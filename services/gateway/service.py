@@ -1,0 +1,392 @@
+"""The gateway actor: aiohttp routes for the OpenAI API, and the ZeroMQ links to tokenizers and schedulers."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import math
+import os
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import structlog
+import zmq
+import zmq.asyncio
+from aiohttp import web
+
+from services.gateway.config import GatewayConfig
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.protocol import (ApiError, ParsedRequest, model_not_found, parse_chat_request,
+                                       parse_completion_request, parse_json_body)
+from services.gateway.responses import (RequestOutput, chat_response, chat_role_chunk, chat_chunk,
+                                        completion_chunk, completion_response, usage_chunk)
+from shared import transport
+from shared.actor import Actor
+from shared.messages import (AbortRequest, GatewayInbound, GenerateChunk, GenerateError, StatusReply,
+                             StatusRequest)
+
+log = structlog.get_logger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
+
+
+@dataclass
+class _Call:
+    """One generation in flight: its result queue, what it produced so far, and its deadline (loop time)."""
+
+    request_id: str
+    queue: asyncio.Queue[GenerateChunk | GenerateError]
+    output: RequestOutput
+    deadline: float
+    timeout_s: float
+    is_sent: bool = False
+    has_failed: bool = False
+
+    @property
+    def is_ended(self) -> bool:
+        return self.has_failed or self.output.is_finished
+
+    async def next_chunk(self) -> GenerateChunk:
+        """The next chunk that extends a sample (already folded into output); ApiError on failure or timeout."""
+        while True:
+            remaining_s = self.deadline - asyncio.get_running_loop().time()
+            try:
+                msg = await asyncio.wait_for(self.queue.get(), max(remaining_s, 0.0))
+            except TimeoutError:
+                raise ApiError(504, f"The request timed out after {self.timeout_s:g} s.", type="server_error",
+                               code="timeout") from None
+            if isinstance(msg, GenerateError):
+                self.has_failed = True
+                raise ApiError(msg.status, msg.message, type=msg.code, retry_after_s=msg.retry_after_s)
+            if self.output.add(msg):
+                return msg
+            log.warning("dropped chunk with a bad or finished index", request_id=msg.request_id, index=msg.index)
+
+
+class Gateway(Actor):
+    name = "gateway"
+
+    def __init__(self, config: GatewayConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.metrics = GatewayMetrics()
+        self._identity = f"gateway-{os.getpid()}-{uuid.uuid4().hex[:12]}".encode()
+        self._api_keys = [key.encode() for key in config.api_key_list]
+        self._calls: dict[str, _Call] = {}
+        self._num_in_flight = 0
+        self._status: StatusReply | None = None
+        self._status_at = -math.inf
+        self._status_poll: asyncio.Future[StatusReply] | None = None
+        self._status_poll_at = -math.inf
+        self._created_s = int(time.time())
+        self._runner: web.AppRunner | None = None
+        self._tokenizers: zmq.asyncio.Socket | None = None
+        self._schedulers: zmq.asyncio.Socket | None = None
+
+    async def start(self) -> None:
+        self._tokenizers = _dealer(self.config.tokenizer_addr_list, self._identity)
+        self._schedulers = _dealer(self.config.scheduler_addr_list, self._identity)
+        self.spawn(transport.receive_forever(self._tokenizers, GatewayInbound, self._on_result), "tokenizer-recv")
+        self.spawn(transport.receive_forever(self._schedulers, StatusReply, self._on_status), "scheduler-recv")
+        self._runner = web.AppRunner(self.build_app(), handler_cancellation=True, shutdown_timeout=5.0,
+                                     access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self.config.host, self.config.port).start()
+        log.info("listening", host=self.config.host, port=self.config.port, identity=self._identity.decode(),
+                 auth=bool(self._api_keys))
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        for sock in (self._tokenizers, self._schedulers):
+            if sock is not None:
+                sock.close(linger=0)
+
+    def build_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_bytes,
+                              middlewares=[self._error_middleware, self._auth_middleware])
+        app.router.add_post(CHAT_PATH, self.chat_completions)
+        app.router.add_post(COMPLETIONS_PATH, self.completions)
+        app.router.add_get("/v1/models", self.list_models)
+        app.router.add_get("/v1/models/{model:.+}", self.retrieve_model)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_text)
+        return app
+
+    # --- middlewares ---
+
+    @web.middleware
+    async def _error_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Every error becomes OpenAI-shaped JSON; every response is counted by endpoint and status."""
+        try:
+            response = await handler(request)
+        except ApiError as exc:
+            response = error_response(exc)
+        except web.HTTPException as exc:
+            response = error_response(self._http_error(request, exc))
+            if "Allow" in exc.headers:
+                response.headers["Allow"] = exc.headers["Allow"]
+        except Exception:  # noqa: BLE001 - a handler bug answers 500, never a bare traceback page
+            log.exception("handler failed", path=request.path)
+            response = error_response(ApiError(500, "The server had an error while processing your request.",
+                                               type="server_error"))
+        route = request.match_info.route.resource
+        endpoint = route.canonical if route is not None else "unmatched"
+        self.metrics.requests.labels(endpoint, str(response.status)).inc()
+        return response
+
+    @web.middleware
+    async def _auth_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if self._api_keys and request.path.startswith("/v1/"):
+            check_bearer(request.headers.get("Authorization"), self._api_keys)
+        return await handler(request)
+
+    def _http_error(self, request: web.Request, exc: web.HTTPException) -> ApiError:
+        if exc.status == 404:
+            return ApiError(404, f"Invalid URL ({request.method} {request.path})", code="unknown_url")
+        if exc.status == 405:
+            return ApiError(405, f"Method {request.method} is not allowed for {request.path}.",
+                            code="method_not_allowed")
+        if exc.status == 413:
+            return ApiError(413, f"Request body too large: the limit is {self.config.max_body_bytes} bytes.",
+                            code="request_too_large")
+        return ApiError(exc.status, exc.reason)
+
+    # --- routes ---
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, is_chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, is_chat=False)
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        data = [self._model_card(m) for m in await self._model_ids(allow_empty=True)]
+        return json_response({"object": "list", "data": data})
+
+    async def retrieve_model(self, request: web.Request) -> web.Response:
+        model = request.match_info["model"]
+        if model not in await self._model_ids(allow_empty=True):
+            raise model_not_found(model)
+        return json_response(self._model_card(model))
+
+    async def health(self, request: web.Request) -> web.Response:
+        status = await self._scheduler_status()
+        if status is None:
+            raise ApiError(503, "No scheduler answered a status request.", type="server_error",
+                           code="service_unavailable")
+        if status.num_workers < 1:
+            raise ApiError(503, "No live worker.", type="server_error", code="service_unavailable")
+        return json_response({"status": "ok"})
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    # --- generation ---
+
+    async def _generate(self, request: web.Request, is_chat: bool) -> web.StreamResponse:
+        started = time.monotonic()
+        if self._num_in_flight >= self.config.max_concurrent_requests:
+            raise ApiError(429, "Too many concurrent requests; please retry shortly.", type="rate_limit_error",
+                           code="rate_limit_exceeded", retry_after_s=1.0)
+        self._num_in_flight += 1
+        self.metrics.in_flight.inc()
+        try:
+            parsed = await self._parse(request, is_chat)
+            return await self._serve(request, parsed, started)
+        finally:
+            self._num_in_flight -= 1
+            self.metrics.in_flight.dec()
+
+    async def _parse(self, request: web.Request, is_chat: bool) -> ParsedRequest:
+        body = parse_json_body(await request.read())
+        model_ids = await self._model_ids(allow_empty=False)
+        deadline_s = time.time() + self.config.request_timeout_s
+        if is_chat:
+            return parse_chat_request(body, request_id=f"chatcmpl-{uuid.uuid4().hex}", model_ids=model_ids,
+                                      default_max_tokens=self.config.default_chat_max_tokens, deadline_s=deadline_s)
+        return parse_completion_request(body, request_id=f"cmpl-{uuid.uuid4().hex}", model_ids=model_ids,
+                                        deadline_s=deadline_s)
+
+    async def _serve(self, request: web.Request, parsed: ParsedRequest, started: float) -> web.StreamResponse:
+        call = _Call(parsed.request_id, asyncio.Queue(), RequestOutput(parsed.generate.sampling.n),
+                     asyncio.get_running_loop().time() + self.config.request_timeout_s,
+                     self.config.request_timeout_s)
+        self._calls[call.request_id] = call
+        reason = "client_disconnected"
+        try:
+            await self._send(self._tokenizers, parsed.generate, "tokenizer")
+            call.is_sent = True
+            first = await call.next_chunk()
+            self.metrics.ttft.labels(request.path).observe(time.monotonic() - started)
+            if parsed.is_stream:
+                response = await self._stream(request, parsed, call, first)
+            else:
+                response = await self._whole(parsed, call)
+            self._record_finished(request.path, call, started)
+            return response
+        except ApiError as exc:
+            reason = exc.code or "error"
+            raise
+        finally:
+            del self._calls[call.request_id]
+            if call.is_sent and not call.is_ended:
+                await self._abort(call.request_id, reason)
+
+    async def _whole(self, parsed: ParsedRequest, call: _Call) -> web.Response:
+        while not call.output.is_finished:
+            await call.next_chunk()
+        build = chat_response if parsed.is_chat else completion_response
+        return json_response(build(parsed.request_id, parsed.model, int(time.time()), call.output,
+                                   parsed.has_logprobs))
+
+    async def _stream(self, request: web.Request, parsed: ParsedRequest, call: _Call,
+                      first: GenerateChunk) -> web.StreamResponse:
+        """SSE: role chunks (chat), one event per GenerateChunk, the usage chunk, [DONE]; errors as events."""
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(request)
+        created = int(time.time())
+        try:
+            try:
+                await self._stream_events(response, parsed, call, first, created)
+            except ApiError as exc:
+                await write_event(response, exc.body())
+        except ConnectionResetError:
+            log.info("client disconnected mid-stream", request_id=call.request_id)
+        return response
+
+    async def _stream_events(self, response: web.StreamResponse, parsed: ParsedRequest, call: _Call,
+                             first: GenerateChunk, created: int) -> None:
+        rid, model, usage = parsed.request_id, parsed.model, parsed.include_usage
+        if parsed.is_chat:
+            for index in range(parsed.generate.sampling.n):
+                await write_event(response, chat_role_chunk(rid, model, created, index, usage))
+        chunk = first
+        while True:
+            if parsed.is_chat:
+                body = chat_chunk(rid, model, created, chunk, parsed.has_logprobs, usage)
+            else:
+                offset = len(call.output.samples[chunk.index].text) - len(chunk.text)
+                body = completion_chunk(rid, model, created, chunk, parsed.has_logprobs, offset, usage)
+            await write_event(response, body)
+            if call.output.is_finished:
+                break
+            chunk = await call.next_chunk()
+        if usage:
+            object_ = "chat.completion.chunk" if parsed.is_chat else "text_completion"
+            await write_event(response, usage_chunk(rid, object_, model, created, call.output))
+        await response.write(b"data: [DONE]\n\n")
+
+    def _record_finished(self, endpoint: str, call: _Call, started: float) -> None:
+        if not call.output.is_finished:
+            return
+        self.metrics.e2e.labels(endpoint).observe(time.monotonic() - started)
+        self.metrics.prompt_tokens.inc(call.output.num_prompt_tokens)
+        self.metrics.cached_tokens.inc(call.output.num_cached_tokens)
+        self.metrics.completion_tokens.inc(call.output.num_completion_tokens)
+
+    # --- ZeroMQ peers ---
+
+    async def _on_result(self, msg: GenerateChunk | GenerateError, _identity: bytes | None) -> None:
+        call = self._calls.get(msg.request_id)
+        if call is None:
+            log.debug("result for an unknown request", request_id=msg.request_id)
+            return
+        call.queue.put_nowait(msg)
+
+    async def _on_status(self, msg: StatusReply, _identity: bytes | None) -> None:
+        self._status, self._status_at = msg, asyncio.get_running_loop().time()
+        if self._status_poll is not None and not self._status_poll.done():
+            self._status_poll.set_result(msg)
+
+    async def _scheduler_status(self) -> StatusReply | None:
+        """The schedulers' latest StatusReply (cached status_cache_s); None when none answers in time."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if self._status is not None and now - self._status_at < self.config.status_cache_s:
+            return self._status
+        timeout_s = self.config.peer_timeout_s
+        if self._status_poll is None or self._status_poll.done() or now - self._status_poll_at > timeout_s:
+            self._status_poll, self._status_poll_at = loop.create_future(), now
+            try:
+                await self._send(self._schedulers, StatusRequest(), "scheduler")
+            except ApiError:
+                return None
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._status_poll), timeout_s)
+        except TimeoutError:
+            return None
+
+    async def _model_ids(self, allow_empty: bool) -> list[str]:
+        if self.config.model_id:
+            return [self.config.model_id]
+        status = await self._scheduler_status()
+        if status is None:
+            raise ApiError(503, "No scheduler answered a status request; the server is not ready.",
+                           type="server_error", code="service_unavailable")
+        if not status.model_ids and not allow_empty:
+            raise ApiError(503, "No model is being served yet (no live worker).", type="server_error",
+                           code="service_unavailable")
+        return list(dict.fromkeys(status.model_ids))
+
+    async def _send(self, sock: zmq.asyncio.Socket | None, msg: msgspec.Struct, peer: str) -> None:
+        try:
+            await asyncio.wait_for(transport.send(sock, msg), self.config.peer_timeout_s)
+        except TimeoutError:
+            raise ApiError(503, f"No {peer} is reachable.", type="server_error",
+                           code="service_unavailable") from None
+
+    async def _abort(self, request_id: str, reason: str) -> None:
+        try:
+            await asyncio.shield(self._send(self._tokenizers, AbortRequest(request_id, reason), "tokenizer"))
+        except (ApiError, asyncio.CancelledError):
+            log.warning("could not send abort", request_id=request_id, reason=reason)
+        else:
+            log.info("aborted", request_id=request_id, reason=reason)
+
+    def _model_card(self, model: str) -> dict[str, Any]:
+        return {"id": model, "object": "model", "created": self._created_s, "owned_by": "radixserve"}
+
+
+def check_bearer(header: str | None, api_keys: list[bytes]) -> None:
+    """Raise 401 unless header is `Bearer <key>` for one of api_keys (constant-time compare against each)."""
+    scheme, _, token = (header or "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise ApiError(401, "You didn't provide an API key. You need to provide your API key in an "
+                            "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).",
+                       code="missing_api_key")
+    given = token.strip().encode()
+    if not any([hmac.compare_digest(given, key) for key in api_keys]):
+        raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+
+
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=msgspec.json.encode(body), status=status, headers=headers,
+                        content_type="application/json")
+
+
+def error_response(exc: ApiError) -> web.Response:
+    headers = {}
+    if exc.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+    return json_response(exc.body(), exc.status, headers)
+
+
+async def write_event(response: web.StreamResponse, body: dict[str, Any]) -> None:
+    await response.write(b"data: " + msgspec.json.encode(body) + b"\n\n")
+
+
+def _dealer(addrs: list[str], identity: bytes) -> zmq.asyncio.Socket:
+    """One DEALER connected to every addr; IMMEDIATE, so requests only go to peers that are connected."""
+    sock = transport.context().socket(zmq.DEALER)
+    for option, value in ((zmq.LINGER, 0), (zmq.MAXMSGSIZE, transport.MAX_FRAME_BYTES), (zmq.IDENTITY, identity),
+                          (zmq.SNDHWM, 100_000), (zmq.IMMEDIATE, 1)):
+        sock.setsockopt(option, value)
+    for addr in addrs:
+        sock.connect(addr)
+    return sock

@@ -1,0 +1,1 @@
+"""The tokenizer service: chat templates, tokenizing, prompt block hashes, incremental detokenizing, stop strings."""

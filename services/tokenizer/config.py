@@ -1,0 +1,24 @@
+"""The tokenizer service's configuration."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    """radixserve tokenizer: chat templates, tokenizing and detokenizing between gateways and schedulers."""
+
+    model: str = field(default="bundled", metadata={"help": "'bundled', an HF model directory, or random:<preset>"})
+    tokenizer_addr: str = field(default="tcp://127.0.0.1:5550",
+                                metadata={"help": "ROUTER bind address for gateways"})
+    stream_addr: str = field(default="tcp://127.0.0.1:5551",
+                             metadata={"help": "PULL bind address for TokenBatch / GenerateError"})
+    scheduler_addrs: str = field(default="tcp://127.0.0.1:5560",
+                                 metadata={"help": "comma-separated scheduler ROUTER addresses"})
+    page_size: int = field(default=16, metadata={"help": "tokens per KV page (block hash granularity)"})
+    max_prompt_tokens: int = field(default=8192, metadata={"help": "longer prompts are refused with 400"})
+    log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
+
+    @property
+    def scheduler_addr_list(self) -> list[str]:
+        return [a.strip() for a in self.scheduler_addrs.split(",") if a.strip()]

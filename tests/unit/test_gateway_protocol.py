@@ -1,0 +1,331 @@
+"""Gateway pure core: OpenAI bodies → GenerateRequest with exact errors, and exact response bodies."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from services.gateway.protocol import (ApiError, parse_chat_request, parse_completion_request, parse_json_body,
+                                       parse_prompt, parse_stop)
+from services.gateway.responses import (RequestOutput, chat_chunk, chat_response, chat_role_chunk,
+                                        completion_chunk, completion_response, usage_chunk)
+from shared.messages import ChatMessage, GenerateChunk, GenerateRequest, SamplingSpec, TokenLogprobEntry
+
+MODEL = "m1"
+USER = [{"role": "user", "content": "hi"}]
+
+
+def chat(**body: Any):
+    return parse_chat_request({"model": MODEL, "messages": USER, **body}, request_id="chatcmpl-1",
+                              model_ids=[MODEL], default_max_tokens=1024, deadline_s=99.0)
+
+
+def completion(**body: Any):
+    return parse_completion_request({"model": MODEL, "prompt": "hello", **body}, request_id="cmpl-1",
+                                    model_ids=[MODEL], deadline_s=None)
+
+
+def error_of(fn, **body: Any) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        fn(**body)
+    return info.value
+
+
+# --- chat parsing ---
+
+def test_minimal_chat_request() -> None:
+    parsed = chat()
+    assert parsed.generate == GenerateRequest("chatcmpl-1", SamplingSpec(max_tokens=1024),
+                                              messages=[ChatMessage("user", "hi")], deadline_s=99.0)
+    assert (parsed.model, parsed.is_chat, parsed.is_stream, parsed.include_usage) == (MODEL, True, False, False)
+    assert parsed.has_logprobs is False
+
+
+def test_chat_sampling_fields_map_to_sampling_spec() -> None:
+    parsed = chat(max_tokens=7, temperature=0.5, top_p=0.9, n=3, presence_penalty=-1, frequency_penalty=1.5,
+                  seed=42, top_k=5, min_p=0.1, repetition_penalty=1.2, ignore_eos=True, stop_token_ids=[2, 3],
+                  stop=["a", "b"], skip_special_tokens=False, user="u", metadata={"k": "v"}, store=False)
+    assert parsed.generate.sampling == SamplingSpec(
+        max_tokens=7, temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, presence_penalty=-1.0,
+        frequency_penalty=1.5, repetition_penalty=1.2, seed=42, stop_token_ids=[2, 3], ignore_eos=True, n=3)
+    assert parsed.generate.stop == ["a", "b"]
+    assert parsed.generate.skip_special_tokens is False
+
+
+def test_max_completion_tokens_wins_over_max_tokens() -> None:
+    assert chat(max_tokens=5, max_completion_tokens=9).generate.sampling.max_tokens == 9
+    assert chat(max_completion_tokens=3).generate.sampling.max_tokens == 3
+
+
+def test_null_values_mean_default() -> None:
+    parsed = chat(temperature=None, n=None, stop=None, tools=None, logprobs=None, stream=None)
+    assert parsed.generate.sampling == SamplingSpec(max_tokens=1024)
+
+
+def test_top_k_minus_one_disables() -> None:
+    assert chat(top_k=-1).generate.sampling.top_k == 0
+
+
+def test_messages_roles_and_content_parts() -> None:
+    parsed = chat(messages=[
+        {"role": "developer", "content": "be brief"},
+        {"role": "system", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "user", "content": "q", "name": "bob"},
+        {"role": "assistant", "content": None},
+    ])
+    assert parsed.generate.messages == [ChatMessage("system", "be brief"), ChatMessage("system", "a\nb"),
+                                        ChatMessage("user", "q"), ChatMessage("assistant", "")]
+
+
+def test_chat_logprobs_mapping() -> None:
+    assert chat(logprobs=True).generate.sampling.logprobs == 0
+    assert chat(logprobs=True, top_logprobs=20).generate.sampling.logprobs == 20
+    assert chat(logprobs=False).generate.sampling.logprobs is None
+    assert chat(logprobs=True).has_logprobs is True
+
+
+def test_stream_and_include_usage() -> None:
+    parsed = chat(stream=True, stream_options={"include_usage": True})
+    assert (parsed.is_stream, parsed.include_usage) == (True, True)
+    assert chat(stream=True).include_usage is False
+
+
+def test_neutral_values_of_unsupported_parameters_are_accepted() -> None:
+    parsed = chat(tools=[], tool_choice="none", response_format={"type": "text"}, logit_bias={},
+                  modalities=["text"], parallel_tool_calls=False)
+    assert parsed.generate.sampling == SamplingSpec(max_tokens=1024)
+
+
+# --- completions parsing ---
+
+def test_minimal_completion_request() -> None:
+    parsed = completion()
+    assert parsed.generate == GenerateRequest("cmpl-1", SamplingSpec(max_tokens=16), prompt_text="hello")
+    assert parsed.is_chat is False
+
+
+def test_completion_logprobs_and_best_of_equal_to_n() -> None:
+    parsed = completion(logprobs=3, n=2, best_of=2, echo=False, suffix=None)
+    assert (parsed.generate.sampling.logprobs, parsed.generate.sampling.n) == (3, 2)
+    assert completion(logprobs=0).generate.sampling.logprobs == 0
+
+
+@pytest.mark.parametrize("prompt, expected", [
+    ("abc", ("abc", None)),
+    ("", ("", None)),
+    (["abc"], ("abc", None)),
+    ([1, 2, 3], (None, [1, 2, 3])),
+    ([[4, 5]], (None, [4, 5])),
+])
+def test_prompt_forms(prompt: Any, expected: tuple) -> None:
+    assert parse_prompt(prompt) == expected
+
+
+@pytest.mark.parametrize("stop, expected", [(None, []), ("x", ["x"]), ("", []), (["a", "", "b"], ["a", "b"]),
+                                            ([], [])])
+def test_stop_forms(stop: Any, expected: list[str]) -> None:
+    assert parse_stop(stop) == expected
+
+
+# --- errors ---
+
+@pytest.mark.parametrize("body, status, param, code, fragment", [
+    ({"temperature": 2.5}, 400, "temperature", "decimal_above_max_value",
+     "Invalid 'temperature': decimal above maximum value. Expected a value <= 2, but got 2.5 instead."),
+    ({"temperature": -0.1}, 400, "temperature", "decimal_below_min_value", "Expected a value >= 0"),
+    ({"temperature": "hot"}, 400, "temperature", "invalid_type",
+     "Invalid type for 'temperature': expected a decimal, but got a string instead."),
+    ({"top_p": 0}, 400, "top_p", "decimal_below_min_value", "Expected a value > 0, but got 0"),
+    ({"top_p": 1.01}, 400, "top_p", "decimal_above_max_value", "Expected a value <= 1"),
+    ({"n": 0}, 400, "n", "integer_below_min_value", "Expected a value >= 1, but got 0"),
+    ({"n": 17}, 400, "n", "integer_above_max_value", "Expected a value <= 16, but got 17"),
+    ({"n": 1.5}, 400, "n", "invalid_type", "expected an integer, but got a decimal"),
+    ({"n": True}, 400, "n", "invalid_type", "expected an integer, but got a boolean"),
+    ({"max_tokens": 0}, 400, "max_tokens", "integer_below_min_value", "Expected a value >= 1"),
+    ({"max_completion_tokens": 0}, 400, "max_completion_tokens", "integer_below_min_value", ">= 1"),
+    ({"presence_penalty": 2.1}, 400, "presence_penalty", "decimal_above_max_value", "<= 2"),
+    ({"frequency_penalty": -3}, 400, "frequency_penalty", "decimal_below_min_value", ">= -2"),
+    ({"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "integer_above_max_value", "<= 20"),
+    ({"top_logprobs": 2}, 400, "top_logprobs", "invalid_value", "'logprobs' must be true"),
+    ({"logprobs": 1}, 400, "logprobs", "invalid_type", "expected a boolean"),
+    ({"min_p": 1.5}, 400, "min_p", "decimal_above_max_value", "<= 1"),
+    ({"repetition_penalty": 0}, 400, "repetition_penalty", "decimal_below_min_value", "> 0"),
+    ({"top_k": -2}, 400, "top_k", "integer_below_min_value", ">= -1"),
+    ({"ignore_eos": "yes"}, 400, "ignore_eos", "invalid_type", "expected a boolean"),
+    ({"stop_token_ids": [1, -1]}, 400, "stop_token_ids[1]", "invalid_value", "not a valid token id"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "array_above_max_length", "maximum length 4"),
+    ({"stop": [1]}, 400, "stop[0]", "invalid_type", "expected a string, but got an integer"),
+    ({"stream_options": {"include_usage": True}}, 400, "stream_options", "invalid_value",
+     "only allowed when 'stream' is enabled"),
+    ({"stream": True, "stream_options": {"include_usage": 1}}, 400, "stream_options.include_usage",
+     "invalid_type", "expected a boolean"),
+    ({"seed": 2**64}, 400, "seed", "integer_above_max_value", "<= 9223372036854775807"),
+    ({"foo": 1}, 400, None, None, "Unrecognized request argument supplied: foo"),
+    ({"echo": True}, 400, None, None, "Unrecognized request argument supplied: echo"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "unsupported_parameter",
+     "Unsupported parameter: 'tools' is not supported by this server."),
+    ({"tool_choice": "auto"}, 400, "tool_choice", "unsupported_parameter", "'tool_choice' is not supported"),
+    ({"logit_bias": {"1": 5}}, 400, "logit_bias", "unsupported_parameter", "'logit_bias' is not supported"),
+    ({"response_format": {"type": "json_schema", "json_schema": {}}}, 400, "response_format.type",
+     "unsupported_value", "does not support 'json_schema'"),
+    ({"response_format": {"type": "json_object"}}, 400, "response_format.type", "unsupported_value",
+     "only 'text' is supported"),
+    ({"model": "other"}, 404, None, "model_not_found", "The model `other` does not exist"),
+    ({"model": 3}, 400, "model", "invalid_type", "expected a string, but got an integer"),
+    ({"model": None}, 400, "model", "missing_required_parameter", "Missing required parameter: 'model'."),
+    ({"messages": None}, 400, "messages", "missing_required_parameter", "Missing required parameter: 'messages'."),
+    ({"messages": []}, 400, "messages", "empty_array", "empty array"),
+    ({"messages": "hi"}, 400, "messages", "invalid_type", "expected an array, but got a string"),
+    ({"messages": [{"content": "x"}]}, 400, "messages[0].role", "missing_required_parameter", "'messages[0].role'"),
+    ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "t"}]}, 400, "messages[0].role",
+     "invalid_value", "Invalid value: 'tool'. Supported values are: 'system', 'developer', 'user', 'assistant'."),
+    ({"messages": [{"role": "user"}]}, 400, "messages[0].content", "missing_required_parameter", "content"),
+    ({"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", "invalid_type", "got an integer"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+     "messages[0].content[0].type", "unsupported_value", "does not support 'image_url'"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]}, 400,
+     "messages[0].tool_calls", "unsupported_parameter", "'messages[0].tool_calls' is not supported"),
+])
+def test_chat_validation_errors(body: dict, status: int, param: str | None, code: str | None,
+                                fragment: str) -> None:
+    exc = error_of(chat, **body)
+    assert (exc.status, exc.param, exc.code, exc.type) == (status, param, code, "invalid_request_error")
+    assert fragment in exc.message
+
+
+@pytest.mark.parametrize("body, status, param, code, fragment", [
+    ({"logprobs": 6}, 400, "logprobs", "integer_above_max_value", "<= 5"),
+    ({"logprobs": True}, 400, "logprobs", "invalid_type", "expected an integer, but got a boolean"),
+    ({"echo": True}, 400, "echo", "unsupported_parameter", "'echo' is not supported"),
+    ({"suffix": "x"}, 400, "suffix", "unsupported_parameter", "'suffix' is not supported"),
+    ({"best_of": 3}, 400, "best_of", "unsupported_parameter", "'best_of' is not supported"),
+    ({"prompt": ["a", "b"]}, 400, "prompt", "unsupported_value", "Batched prompts are not supported"),
+    ({"prompt": [[1], [2]]}, 400, "prompt", "unsupported_value", "Batched prompts are not supported"),
+    ({"prompt": []}, 400, "prompt", "empty_array", "empty array"),
+    ({"prompt": [[]]}, 400, "prompt[0]", "empty_array", "empty array"),
+    ({"prompt": [1, "a"]}, 400, "prompt[1]", "invalid_type", "expected an integer, but got a string"),
+    ({"prompt": 5}, 400, "prompt", "invalid_type", "expected a string or an array"),
+    ({"prompt": None}, 400, "prompt", "missing_required_parameter", "Missing required parameter: 'prompt'."),
+    ({"messages": USER}, 400, None, None, "Unrecognized request argument supplied: messages"),
+    ({"max_completion_tokens": 5}, 400, None, None, "Unrecognized request argument supplied: max_completion_tokens"),
+])
+def test_completion_validation_errors(body: dict, status: int, param: str | None, code: str | None,
+                                      fragment: str) -> None:
+    exc = error_of(completion, **body)
+    assert (exc.status, exc.param, exc.code) == (status, param, code)
+    assert fragment in exc.message
+
+
+def test_body_must_be_an_object() -> None:
+    with pytest.raises(ApiError) as info:
+        parse_chat_request([1], request_id="x", model_ids=[MODEL], default_max_tokens=1)
+    assert (info.value.status, info.value.message) == (400, "Invalid request body: expected a JSON object.")
+
+
+def test_malformed_json() -> None:
+    with pytest.raises(ApiError) as info:
+        parse_json_body(b'{"model": ')
+    assert (info.value.status, info.value.code) == (400, "invalid_json")
+    assert info.value.message.startswith("We could not parse the JSON body of your request")
+    assert parse_json_body(b'{"a": [1, 2.5]}') == {"a": [1, 2.5]}
+
+
+def test_error_body_shape() -> None:
+    exc = ApiError(404, "nope", code="model_not_found")
+    assert exc.body() == {"error": {"message": "nope", "type": "invalid_request_error", "param": None,
+                                    "code": "model_not_found"}}
+
+
+# --- responses ---
+
+def chunk(index: int, text: str, token_ids: list[int], finish: str | None = None, logprobs=None,
+          texts: list[str] | None = None) -> GenerateChunk:
+    return GenerateChunk("r1", index, text, token_ids, logprobs=logprobs, token_texts=texts, finish_reason=finish,
+                         num_prompt_tokens=5, num_cached_tokens=4)
+
+
+def two_sample_output() -> RequestOutput:
+    output = RequestOutput(2)
+    for c in (chunk(0, "Hel", [1]), chunk(1, "Yo", [7], "stop"), chunk(0, "lo", [2], "length")):
+        assert output.add(c)
+    return output
+
+
+def test_request_output_accumulates_and_rejects_bad_chunks() -> None:
+    output = two_sample_output()
+    assert output.is_finished
+    assert not output.add(chunk(0, "x", [9]))  # sample already finished
+    assert not output.add(chunk(2, "x", [9]))  # no such sample
+    assert [s.text for s in output.samples] == ["Hello", "Yo"]
+    assert output.usage() == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+                              "prompt_tokens_details": {"cached_tokens": 4}}
+
+
+def test_chat_response_body() -> None:
+    assert chat_response("r1", MODEL, 100, two_sample_output(), has_logprobs=False) == {
+        "id": "r1", "object": "chat.completion", "created": 100, "model": MODEL,
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "Hello", "refusal": None}, "logprobs": None,
+             "finish_reason": "length"},
+            {"index": 1, "message": {"role": "assistant", "content": "Yo", "refusal": None}, "logprobs": None,
+             "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+                  "prompt_tokens_details": {"cached_tokens": 4}}}
+
+
+LOGPROBS = [TokenLogprobEntry(1, -0.5, [(1, -0.5), (8, -1.5)]), TokenLogprobEntry(2, -0.25, [(2, -0.25)])]
+
+
+def test_chat_response_logprobs() -> None:
+    output = RequestOutput(1)
+    output.add(chunk(0, "Hé", [1, 2], "stop", LOGPROBS, ["H", "é"]))
+    body = chat_response("r1", MODEL, 100, output, has_logprobs=True)
+    assert body["choices"][0]["logprobs"] == {"content": [
+        {"token": "H", "logprob": -0.5, "bytes": [72],
+         "top_logprobs": [{"token": "H", "logprob": -0.5, "bytes": [72]},
+                          {"token": "token_id:8", "logprob": -1.5, "bytes": list(b"token_id:8")}]},
+        {"token": "é", "logprob": -0.25, "bytes": [195, 169],
+         "top_logprobs": [{"token": "é", "logprob": -0.25, "bytes": [195, 169]}]}], "refusal": None}
+
+
+def test_completion_response_body_with_logprobs() -> None:
+    output = RequestOutput(1)
+    output.add(chunk(0, "Hé", [1, 2], "stop", LOGPROBS, ["H", "é"]))
+    assert completion_response("r1", MODEL, 100, output, has_logprobs=True) == {
+        "id": "r1", "object": "text_completion", "created": 100, "model": MODEL,
+        "choices": [{"index": 0, "text": "Hé", "finish_reason": "stop",
+                     "logprobs": {"tokens": ["H", "é"], "token_logprobs": [-0.5, -0.25],
+                                  "top_logprobs": [{"H": -0.5, "token_id:8": -1.5}, {"é": -0.25}],
+                                  "text_offset": [0, 1]}}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
+                  "prompt_tokens_details": {"cached_tokens": 4}}}
+
+
+def test_chat_stream_chunks() -> None:
+    assert chat_role_chunk("r1", MODEL, 100, 1, include_usage=True) == {
+        "id": "r1", "object": "chat.completion.chunk", "created": 100, "model": MODEL,
+        "choices": [{"index": 1, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                     "finish_reason": None}], "usage": None}
+    assert chat_chunk("r1", MODEL, 100, chunk(0, "Hi", [1]), has_logprobs=False, include_usage=False) == {
+        "id": "r1", "object": "chat.completion.chunk", "created": 100, "model": MODEL,
+        "choices": [{"index": 0, "delta": {"content": "Hi"}, "logprobs": None, "finish_reason": None}]}
+    last = chat_chunk("r1", MODEL, 100, chunk(0, "", [], "stop"), has_logprobs=True, include_usage=False)
+    assert last["choices"] == [{"index": 0, "delta": {}, "logprobs": {"content": [], "refusal": None},
+                                "finish_reason": "stop"}]
+
+
+def test_completion_stream_chunk_offsets_continue() -> None:
+    body = completion_chunk("r1", MODEL, 100, chunk(0, "Hé", [1, 2], None, LOGPROBS, ["H", "é"]),
+                            has_logprobs=True, text_offset=10, include_usage=False)
+    assert body == {"id": "r1", "object": "text_completion", "created": 100, "model": MODEL,
+                    "choices": [{"index": 0, "text": "Hé", "finish_reason": None,
+                                 "logprobs": {"tokens": ["H", "é"], "token_logprobs": [-0.5, -0.25],
+                                              "top_logprobs": [{"H": -0.5, "token_id:8": -1.5}, {"é": -0.25}],
+                                              "text_offset": [10, 11]}}]}
+
+
+def test_usage_chunk() -> None:
+    assert usage_chunk("r1", "text_completion", MODEL, 100, two_sample_output()) == {
+        "id": "r1", "object": "text_completion", "created": 100, "model": MODEL, "choices": [],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+                  "prompt_tokens_details": {"cached_tokens": 4}}}
