@@ -81,7 +81,7 @@ def build_suite(args: argparse.Namespace, run_dir: Path) -> Suite:
     suite.children.append(Child("cache_index", ["services.cache_index", "--cache-index-addr", index,
                                                 "--redis-url", redis_url]))
     suite.children.append(Child("scheduler", ["services.scheduler", "--scheduler-addr", sched,
-                                              "--redis-url", redis_url]))
+                                              "--redis-url", redis_url, "--cache-index-addr", index]))
     for i in range(args.workers):
         argv = ["services.gpu_worker", "--worker-id", f"worker{i}", "--worker-addr", ipc(f"worker{i}"),
                 "--scheduler-addrs", sched, "--cache-index-addr", index, "--model", args.model,

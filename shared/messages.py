@@ -119,6 +119,7 @@ class TokenizedRequest(msgspec.Struct, frozen=True, tag=True):
     reply_addr: str  # the tokenizer's PULL address for TokenBatch
     arrival_s: float
     deadline_s: float | None = None
+    model_id: str = ""  # "" = any worker's model
     version: int = PROTOCOL_VERSION
 
 

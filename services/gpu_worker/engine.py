@@ -63,6 +63,8 @@ class Engine:
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
         self.num_pages = config.resolved_num_pages(loaded.config, dtype, self.device)
+        # A sequence, even running alone, never holds more tokens than the whole pool's slots.
+        self.max_seq_len = min(self.max_model_len, (self.num_pages - 1) * config.page_size)
         self.kv = KVCache(loaded.config.num_layers, self.num_pages, config.page_size,
                           loaded.config.num_kv_heads, loaded.config.head_dim, dtype, self.device)
         self.pool = BlockPool(self.num_pages)
@@ -92,8 +94,9 @@ class Engine:
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; this model's context "
                              f"is {self.max_model_len} (the prompt must leave room for one output token)")
-        if len(prompt_token_ids) + 1 > (self.num_pages - 1) * self.config.page_size:
-            raise ValueError("the prompt does not fit in the KV cache even when it runs alone")
+        if len(prompt_token_ids) >= self.max_seq_len:
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens and does not fit in the KV cache "
+                             f"even when it runs alone ({self.max_seq_len} token slots, one kept for output)")
         vocab = self.model_config.vocab_size
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
@@ -217,7 +220,7 @@ class Engine:
             return FinishReason.STOP
         if token_id in params.stop_token_ids:
             return FinishReason.STOP
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_seq_len:
             return FinishReason.LENGTH
         return None
 

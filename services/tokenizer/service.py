@@ -26,7 +26,7 @@ from shared.messages import (
     TokenizerStreamInbound,
     TokenOutputs,
 )
-from shared.transport import bind, connect, receive_forever, send
+from shared.transport import advertised, bind, connect, receive_forever, send
 
 log = structlog.get_logger(__name__)
 
@@ -148,7 +148,8 @@ class TokenizerService(Actor):
         return TokenizedRequest(
             request_id=req.request_id, prompt_token_ids=ids,
             block_hashes=hash_blocks(ids, self.config.page_size, self.model_id), sampling=req.sampling,
-            reply_addr=self.config.stream_addr, arrival_s=time.time(), deadline_s=req.deadline_s)
+            reply_addr=advertised(self.config.stream_addr), arrival_s=time.time(), deadline_s=req.deadline_s,
+            model_id=self.model_id)
 
     def _prompt_ids(self, req: GenerateRequest) -> list[int]:
         """The prompt as token ids, validated."""

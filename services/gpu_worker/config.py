@@ -1,0 +1,58 @@
+"""The gpu_worker service's one frozen config (CLI flags / RADIXSERVE_* env), and the EngineConfig it implies."""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+
+from services.gpu_worker.engine_config import EngineConfig
+
+ROLES = ("mixed", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """gpu_worker: one model replica on one device, fed by schedulers, streaming tokens to tokenizers."""
+
+    worker_id: str = field(default="", metadata={"help": "unique worker name (empty: hostname-pid)"})
+    worker_addr: str = field(default="tcp://127.0.0.1:5570",
+                             metadata={"help": "PULL address to bind for TokenizedRequest/AbortRequest"})
+    scheduler_addrs: str = field(default="tcp://127.0.0.1:5560",
+                                 metadata={"help": "comma-separated scheduler ROUTER addresses"})
+    cache_index_addr: str = field(default="", metadata={"help": "cache_index PULL address (empty: no KV events)"})
+    role: str = field(default="mixed", metadata={"help": "mixed, prefill or decode"})
+    model: str = field(default="bundled", metadata={"help": "bundled, a Hugging Face directory, or random:<preset>"})
+    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:N"})
+    dtype: str = field(default="auto", metadata={"help": "auto, float32, bfloat16, float16"})
+    seed: int = field(default=0, metadata={"help": "weights seed of random:<preset> models"})
+    page_size: int = field(default=16, metadata={"help": "tokens per KV page (and per hashed block)"})
+    num_pages: int = field(default=0, metadata={"help": "KV pages (0: sized automatically)"})
+    max_num_batched_tokens: int = field(default=512, metadata={"help": "token budget of one engine step"})
+    max_num_seqs: int = field(default=256, metadata={"help": "most sequences running at once"})
+    max_model_len: int = field(default=0, metadata={"help": "context limit (0: the model's)"})
+    enable_prefix_cache: bool = field(default=True, metadata={"help": "keep the radix prefix cache on"})
+    heartbeat_interval_s: float = field(default=0.5, metadata={"help": "seconds between heartbeats"})
+    log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, not {self.role!r}")
+        if not self.scheduler_addr_list:
+            raise ValueError("scheduler_addrs names no scheduler")
+        if self.heartbeat_interval_s <= 0:
+            raise ValueError("heartbeat_interval_s must be > 0")
+
+    @property
+    def scheduler_addr_list(self) -> list[str]:
+        return [addr.strip() for addr in self.scheduler_addrs.split(",") if addr.strip()]
+
+    @property
+    def resolved_worker_id(self) -> str:
+        return self.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(model=self.model, device=self.device, dtype=self.dtype, page_size=self.page_size,
+                            num_pages=self.num_pages or None,
+                            max_num_batched_tokens=self.max_num_batched_tokens,
+                            max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len or None,
+                            enable_prefix_cache=self.enable_prefix_cache, seed=self.seed)

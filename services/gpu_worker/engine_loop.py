@@ -1,0 +1,275 @@
+"""The engine's own thread: it takes commands from the event loop, steps the engine while there is work,
+and hands every message that results back as Envelopes, in order (no sockets here).
+
+    event loop ──submit(AddCommand | AbortCommand | SnapshotCommand | StopCommand)──▶ queue
+    engine thread: drain queue → handle commands → engine.step() → deliver([Envelope, ...])
+
+The thread blocks on the queue when the engine is idle, so an idle worker costs no CPU.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import msgspec
+import structlog
+
+from services.gpu_worker.engine import Engine
+from services.gpu_worker.request import SamplingParams, TokenOutput
+from shared.messages import (CacheSnapshot, GenerateError, KVEventBatch, RequestFinished, SamplingSpec,
+                             TokenBatch, TokenizedRequest, TokenLogprobEntry, TokenOutputs, WorkerLoad)
+
+log = structlog.get_logger(__name__)
+
+
+class Envelope(NamedTuple):
+    """One outgoing message: addr is a PUSH address, or None for every scheduler."""
+
+    addr: str | None
+    msg: msgspec.Struct
+
+
+@dataclass(frozen=True)
+class AddCommand:
+    request: TokenizedRequest
+
+
+@dataclass(frozen=True)
+class AbortCommand:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class SnapshotCommand:
+    reply_addr: str
+
+
+@dataclass(frozen=True)
+class StopCommand:
+    """Fail every in-flight request with `status` and end the thread."""
+
+    status: int = 503
+    message: str = "the worker is shutting down"
+
+
+Command = AddCommand | AbortCommand | SnapshotCommand | StopCommand
+
+
+@dataclass(frozen=True)
+class WorkerIdentity:
+    worker_id: str
+    worker_addr: str
+    incarnation: str  # random per start-up: tells cache_index that earlier event numbers are void
+    cache_index_addr: str  # "" → KV events are numbered and dropped
+
+
+@dataclass
+class InFlight:
+    """A request the engine holds: where its tokens go and which of its samples have ended."""
+
+    reply_addr: str
+    num_samples: int
+    num_prompt_tokens: int
+    finished_indices: set[int] = field(default_factory=set)
+
+
+def sampling_params(spec: SamplingSpec) -> SamplingParams:
+    """The wire SamplingSpec as engine SamplingParams; ValueError for settings the engine refuses."""
+    return SamplingParams(max_tokens=spec.max_tokens, temperature=spec.temperature, top_k=spec.top_k,
+                          top_p=spec.top_p, min_p=spec.min_p, presence_penalty=spec.presence_penalty,
+                          frequency_penalty=spec.frequency_penalty, repetition_penalty=spec.repetition_penalty,
+                          seed=spec.seed, stop_token_ids=tuple(spec.stop_token_ids), ignore_eos=spec.ignore_eos,
+                          n=spec.n, logprobs=spec.logprobs)
+
+
+def token_outputs(out: TokenOutput) -> TokenOutputs:
+    """One engine TokenOutput as its wire form."""
+    logprobs = None if out.logprobs is None else [
+        TokenLogprobEntry(int(lp.token_id), float(lp.logprob), [(int(t), float(v)) for t, v in lp.top])
+        for lp in out.logprobs]
+    reason = None if out.finish_reason is None else out.finish_reason.value
+    return TokenOutputs(out.request_id, out.index, [int(t) for t in out.token_ids], logprobs, reason,
+                        out.num_prompt_tokens, out.num_cached_tokens)
+
+
+def engine_load(engine: Engine) -> WorkerLoad:
+    """The engine's load as heartbeats report it; num_free_pages counts only unused pool pages."""
+    stats = engine.stats()
+    num_queued = sum(s.num_uncomputed for s in engine.policy.waiting)
+    num_queued += sum(s.num_uncomputed for s in engine.policy.running if s.num_uncomputed > 1)
+    return WorkerLoad(num_running=stats.num_running, num_waiting=stats.num_waiting, num_queued_tokens=num_queued,
+                      num_free_pages=stats.num_free_pages, num_total_pages=stats.num_total_pages)
+
+
+class EngineLoop:
+    """Owns the engine from start() on: only the engine thread touches it."""
+
+    def __init__(self, engine: Engine, identity: WorkerIdentity, deliver: Callable[[list[Envelope]], None],
+                 clock: Callable[[], float] = time.time) -> None:
+        self.engine = engine
+        self.identity = identity
+        self.next_seq = 0  # the number of the next KV event
+        self.load = engine_load(engine)  # replaced (never mutated) by the engine thread
+        self._deliver = deliver
+        self._clock = clock
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._in_flight: dict[str, InFlight] = {}
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, command: Command) -> None:
+        """Thread-safe: queue a command for the engine thread."""
+        self._commands.put(command)
+
+    def stop(self, timeout_s: float) -> bool:
+        """Fail what is in flight, end the thread; False if it did not end within timeout_s."""
+        self.submit(StopCommand())
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    @property
+    def is_busy(self) -> bool:
+        return bool(self._in_flight) and self.engine.has_unfinished()
+
+    def _run(self) -> None:
+        while True:
+            envelopes: list[Envelope] = []
+            for command in self._next_commands():
+                if isinstance(command, StopCommand):
+                    envelopes += self._fail_all(command.status, "server_error", command.message)
+                    self._finish_iteration(envelopes)
+                    return
+                envelopes += self._handle(command)
+            if self.is_busy:
+                envelopes += self._step()
+            self._finish_iteration(envelopes)
+
+    def _next_commands(self) -> list[Command]:
+        """Every queued command; waits for one when the engine has nothing to do."""
+        commands = [] if self.is_busy else [self._commands.get()]
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _finish_iteration(self, envelopes: list[Envelope]) -> None:
+        envelopes += self._kv_events()
+        self.load = engine_load(self.engine)
+        if envelopes:
+            self._deliver(envelopes)
+
+    def _handle(self, command: Command) -> list[Envelope]:
+        try:
+            if isinstance(command, AddCommand):
+                return self._add(command.request)
+            if isinstance(command, AbortCommand):
+                return self._abort(command.request_id)
+            if isinstance(command, SnapshotCommand):
+                return self._snapshot(command.reply_addr)
+        except Exception:  # noqa: BLE001 - an engine bug fails the work in flight, not the worker
+            log.exception("engine command failed", command=type(command).__name__)
+            envelopes = self._fail_all(500, "server_error", "the worker's engine failed")
+            if isinstance(command, AddCommand):
+                envelopes += self._reject(command.request, 500, "server_error", "the worker's engine failed")
+            return envelopes
+        return []
+
+    def _add(self, request: TokenizedRequest) -> list[Envelope]:
+        if request.deadline_s is not None and self._clock() > request.deadline_s:
+            return self._reject(request, 504, "timeout", "the request's deadline passed before it started")
+        try:
+            params = sampling_params(request.sampling)
+            self.engine.add_request(request.request_id, request.prompt_token_ids, params)
+        except ValueError as exc:
+            return self._reject(request, 400, "invalid_request_error", str(exc))
+        self._in_flight[request.request_id] = InFlight(request.reply_addr, params.n,
+                                                       len(request.prompt_token_ids))
+        return []
+
+    def _reject(self, request: TokenizedRequest, status: int, code: str, message: str) -> list[Envelope]:
+        log.info("request rejected", request_id=request.request_id, status=status, reason=message)
+        envelopes = [Envelope(request.reply_addr, GenerateError(request.request_id, status, code, message))]
+        if request.request_id not in self._in_flight:  # NOTE: a duplicate id must not end the original
+            envelopes.append(self._finished(request.request_id))
+        return envelopes
+
+    def _abort(self, request_id: str) -> list[Envelope]:
+        """Abort a request; every sample not yet ended ends with "abort" (unforked siblings included)."""
+        state = self._in_flight.get(request_id)
+        if state is None:
+            return []
+        outputs = [token_outputs(out) for out in self.engine.abort(request_id)]
+        reported = state.finished_indices | {out.index for out in outputs}
+        outputs += [TokenOutputs(request_id, index, [], None, "abort", state.num_prompt_tokens, 0)
+                    for index in range(state.num_samples) if index not in reported]
+        return self._route(outputs)
+
+    def _step(self) -> list[Envelope]:
+        try:
+            outputs = self.engine.step()
+        except Exception:  # noqa: BLE001 - a bug or OOM fails the requests in flight; the worker serves on
+            log.exception("engine step failed; failing every request in flight", num_requests=len(self._in_flight))
+            return self._fail_all(500, "server_error", "the worker's engine failed")
+        return self._route([token_outputs(out) for out in outputs])
+
+    def _route(self, outputs: list[TokenOutputs]) -> list[Envelope]:
+        """One TokenBatch per reply address, then RequestFinished for requests whose samples all ended."""
+        batches: dict[str, list[TokenOutputs]] = {}
+        done: list[str] = []
+        for out in outputs:
+            state = self._in_flight.get(out.request_id)
+            if state is None:
+                continue
+            batches.setdefault(state.reply_addr, []).append(out)
+            if out.finish_reason is not None:
+                state.finished_indices.add(out.index)
+                if len(state.finished_indices) == state.num_samples:
+                    done.append(out.request_id)
+        envelopes = [Envelope(addr, TokenBatch(self.identity.worker_id, outs)) for addr, outs in batches.items()]
+        for request_id in done:
+            self.engine.release_finished(request_id)
+            del self._in_flight[request_id]
+            envelopes.append(self._finished(request_id))
+        return envelopes
+
+    def _fail_all(self, status: int, code: str, message: str) -> list[Envelope]:
+        """End every in-flight request with GenerateError(status) and abort it in the engine."""
+        envelopes: list[Envelope] = []
+        for request_id, state in self._in_flight.items():
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # noqa: BLE001 - keep resetting the others
+                log.exception("abort failed", request_id=request_id)
+            envelopes.append(Envelope(state.reply_addr, GenerateError(request_id, status, code, message)))
+            envelopes.append(self._finished(request_id))
+        self._in_flight.clear()
+        return envelopes
+
+    def _finished(self, request_id: str) -> Envelope:
+        return Envelope(None, RequestFinished(request_id, self.identity.worker_id))
+
+    def _kv_events(self) -> list[Envelope]:
+        """The radix cache's new events, numbered on from next_seq (dropped when no cache_index listens)."""
+        events = self.engine.cache.drain_events()
+        if not events:
+            return []
+        first_seq, self.next_seq = self.next_seq, self.next_seq + len(events)
+        if not self.identity.cache_index_addr:
+            return []
+        ident = self.identity
+        return [Envelope(ident.cache_index_addr,
+                         KVEventBatch(ident.worker_id, ident.worker_addr, ident.incarnation, first_seq, events))]
+
+    def _snapshot(self, reply_addr: str) -> list[Envelope]:
+        """Events still pending go out first, so the snapshot is exact as of its next_seq."""
+        envelopes = self._kv_events()
+        snapshot = CacheSnapshot(self.identity.worker_id, self.identity.incarnation, self.next_seq,
+                                 list(self.engine.cache.cached_blocks()))
+        return envelopes + [Envelope(reply_addr, snapshot)]

@@ -1,0 +1,140 @@
+"""The gpu_worker actor shell: sockets, the message table, heartbeats and shutdown around the engine thread."""
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+import uuid
+
+import msgspec
+import structlog
+import zmq
+import zmq.asyncio
+
+from services.gpu_worker.config import WorkerConfig
+from services.gpu_worker.engine import Engine
+from services.gpu_worker.engine_loop import (AbortCommand, AddCommand, EngineLoop, Envelope, SnapshotCommand,
+                                             WorkerIdentity)
+from shared import hashing, transport
+from shared.actor import Actor
+from shared.messages import (AbortRequest, SnapshotRequest, TokenizedRequest, WorkerGone, WorkerHeartbeat,
+                             WorkerInbound)
+
+log = structlog.get_logger(__name__)
+
+LOAD_PROGRESS_INTERVAL_S = 2.0
+STOP_TIMEOUT_S = 10.0
+FLUSH_LINGER_MS = 1000  # how long final messages may take to leave at shutdown
+
+
+class WorkerService(Actor):
+    name = "gpu_worker"
+
+    def __init__(self, config: WorkerConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.worker_id = config.resolved_worker_id
+        self.incarnation = uuid.uuid4().hex
+        self.engine_loop: EngineLoop | None = None
+        self._pull: zmq.asyncio.Socket | None = None
+        self._dealers: list[zmq.asyncio.Socket] = []
+        self._pushes = transport.PushPool()
+        self._outbox: asyncio.Queue[list[Envelope]] = asyncio.Queue()
+        self._worker_addr = config.worker_addr
+        self._handlers = {TokenizedRequest: self._on_request, AbortRequest: self._on_abort,
+                          SnapshotRequest: self._on_snapshot}
+
+    async def start(self) -> None:
+        hashing.self_check()
+        self._pull = transport.bind(zmq.PULL, self.config.worker_addr)
+        self._worker_addr = transport.advertised(transport.bound_addr(self._pull))
+        engine = await self._load_engine()
+        identity = WorkerIdentity(self.worker_id, self._worker_addr, self.incarnation, self.config.cache_index_addr)
+        self.engine_loop = EngineLoop(engine, identity, self._deliver_threadsafe(asyncio.get_running_loop()))
+        self._dealers = [transport.connect(zmq.DEALER, addr, identity=self.worker_id.encode())
+                         for addr in self.config.scheduler_addr_list]
+        self.engine_loop.start()
+        self.spawn(self._send_forever(), "send")
+        self.spawn(transport.receive_forever(self._pull, WorkerInbound, self._dispatch), "receive")
+        await self._heartbeat()
+        self.every(self.config.heartbeat_interval_s, self._heartbeat, "heartbeat")
+        log.info("ready", worker_id=self.worker_id, addr=self._worker_addr, model_id=engine.model_config.model_id,
+                 device=str(engine.device), num_pages=engine.num_pages, incarnation=self.incarnation)
+
+    async def _load_engine(self) -> Engine:
+        """Build the engine in a thread, printing a progress line on stderr until it is ready."""
+        started = time.monotonic()
+
+        async def progress() -> None:
+            while True:
+                print(f"gpu_worker {self.worker_id}: loading {self.config.model} "
+                      f"({time.monotonic() - started:.0f}s)", file=sys.stderr, flush=True)
+                await asyncio.sleep(LOAD_PROGRESS_INTERVAL_S)
+
+        reporter = asyncio.ensure_future(progress())
+        try:
+            engine = await asyncio.to_thread(Engine, self.config.engine_config())
+        finally:
+            reporter.cancel()
+        print(f"gpu_worker {self.worker_id}: model loaded in {time.monotonic() - started:.1f}s",
+              file=sys.stderr, flush=True)
+        return engine
+
+    def _deliver_threadsafe(self, loop: asyncio.AbstractEventLoop):
+        """The engine thread's delivery callback: hand envelopes to the event loop's outbox."""
+        def deliver(envelopes: list[Envelope]) -> None:
+            try:
+                loop.call_soon_threadsafe(self._outbox.put_nowait, envelopes)
+            except RuntimeError:  # the loop closed during shutdown
+                log.warning("dropped messages after the event loop closed", num_messages=len(envelopes))
+        return deliver
+
+    async def _dispatch(self, msg: msgspec.Struct, identity: bytes | None) -> None:
+        await self._handlers[type(msg)](msg)
+
+    async def _on_request(self, msg: TokenizedRequest) -> None:
+        self.engine_loop.submit(AddCommand(msg))
+
+    async def _on_abort(self, msg: AbortRequest) -> None:
+        self.engine_loop.submit(AbortCommand(msg.request_id))
+
+    async def _on_snapshot(self, msg: SnapshotRequest) -> None:
+        self.engine_loop.submit(SnapshotCommand(msg.reply_addr))
+
+    async def _send_forever(self) -> None:
+        while True:
+            await self._send_all(await self._outbox.get())
+
+    async def _send_all(self, envelopes: list[Envelope]) -> None:
+        for addr, msg in envelopes:
+            if addr is None:
+                await self._to_schedulers(msg)
+            else:
+                await self._pushes.send(addr, msg)
+
+    async def _to_schedulers(self, msg: msgspec.Struct) -> None:
+        for dealer in self._dealers:
+            await transport.send(dealer, msg)
+
+    async def _heartbeat(self) -> None:
+        engine = self.engine_loop.engine
+        await self._to_schedulers(WorkerHeartbeat(
+            worker_id=self.worker_id, incarnation=self.incarnation, addr=self._worker_addr,
+            model_id=engine.model_config.model_id, role=self.config.role, page_size=engine.config.page_size,
+            load=self.engine_loop.load))
+
+    async def close(self) -> None:
+        """Fail what is in flight, flush its messages, say WorkerGone, and close every socket."""
+        if self.engine_loop is not None:
+            if not await asyncio.to_thread(self.engine_loop.stop, STOP_TIMEOUT_S):
+                log.error("engine thread did not stop in time", timeout_s=STOP_TIMEOUT_S)
+            await asyncio.sleep(0)  # run the engine thread's last call_soon_threadsafe deliveries
+            while not self._outbox.empty():
+                await self._send_all(self._outbox.get_nowait())
+            gone = WorkerGone(self.worker_id)
+            await self._to_schedulers(gone)
+            if self.config.cache_index_addr:
+                await self._pushes.send(self.config.cache_index_addr, gone)
+        # NOTE: destroy() closes every socket of the context (PushPool's too) with this linger, then blocks
+        # until the final messages left or the linger ran out.
+        transport.context().destroy(linger=FLUSH_LINGER_MS)

