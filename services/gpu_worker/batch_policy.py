@@ -9,11 +9,13 @@ unlocked prefix-cache pages, then preempts the newest running sequence (its KV i
 from __future__ import annotations
 
 from collections import deque
+from enum import Enum
 from dataclasses import dataclass, field
 
 from services.gpu_worker.block_pool import BlockPool, OutOfPages
 from services.gpu_worker.radix_cache import RadixCache
 from services.gpu_worker.sequence import Sequence, SeqStatus
+from shared.hashing import hash_blocks
 
 
 @dataclass
@@ -39,6 +41,12 @@ class PageCopy:
 
     src_page_id: int
     dst_page_id: int
+
+
+class Deferred(Enum):
+    """_admit's answer for a sequence that waits for a page another sequence is computing."""
+
+    WAIT_FOR_PREFIX = "wait_for_prefix"
 
 
 class BatchPolicy:
@@ -75,19 +83,65 @@ class BatchPolicy:
             if self._reserve_or_preempt(seq, num_new, plan, now):
                 plan.items.append(ScheduledItem(seq, num_new, num_new == seq.num_uncomputed))
                 budget -= num_new
+        self._admit_waiting(plan, budget, now)
+        return plan
+
+    def _admit_waiting(self, plan: StepPlan, budget: int, now: float) -> None:
+        """Admit waiting sequences in arrival order while budget, pages and seats last.
+
+        In-batch prefix sharing: a sequence whose next page another sequence is computing right now
+        (the same system prompt, arriving together) waits, and finds that page in the cache a step
+        later instead of computing it a second time.
+        """
+        in_flight = self._pages_in_flight()
+        deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            item = self._admit(self.waiting[0], budget, now, is_first=not plan.items)
+            seq = self.waiting[0]
+            item = self._admit(seq, budget, now, is_first=not plan.items, in_flight=in_flight)
             if item is None:
                 break
             self.waiting.popleft()
+            if item is Deferred.WAIT_FOR_PREFIX:
+                deferred.append(seq)
+                continue
             plan.items.append(item)
             budget -= item.num_new_tokens
-        return plan
+            if self.cache.is_enabled:
+                in_flight.update(self._block_hashes(seq)[seq.num_computed // self.page_size:])
+        self.waiting.extendleft(reversed(deferred))
+
+    def _pages_in_flight(self) -> set[int]:
+        """Block hashes of full pages that running sequences have yet to compute."""
+        if not self.cache.is_enabled:
+            return set()
+        pending: set[int] = set()
+        for seq in self.running:
+            if seq.num_uncomputed > 1:
+                pending.update(self._block_hashes(seq)[seq.num_computed // self.page_size:])
+        return pending
+
+    def _block_hashes(self, seq: Sequence) -> list[int]:
+        """Chained hashes of seq's full pages, extended as its tokens grow (cached on the sequence)."""
+        known = seq.block_hashes
+        num_full = seq.num_tokens // self.page_size
+        if len(known) < num_full:
+            start = len(known) * self.page_size
+            known.extend(hash_blocks(seq.token_ids[start:num_full * self.page_size], self.page_size,
+                                     self.cache.salt, known[-1] if known else None))
+        return known
+
+    def _waits_for_prefix(self, seq: Sequence, in_flight: set[int]) -> bool:
+        if not self.cache.is_enabled:
+            return False
+        next_page = seq.num_computed // self.page_size
+        num_cacheable = (seq.num_tokens - 1) // self.page_size  # the pages match_prefix could reuse
+        return next_page < num_cacheable and self._block_hashes(seq)[next_page] in in_flight
 
     def _reserve_or_preempt(self, seq: Sequence, num_new: int, plan: StepPlan, now: float) -> bool:
         """Give seq pages for num_new more tokens, evicting cache then preempting newer sequences."""
-        scheduled = {id(item.seq) for item in plan.items}
+        scheduled = None  # built only when the pool runs dry: O(B) per step, not O(B^2)
         while not self._reserve(seq, num_new):
+            scheduled = scheduled or {id(item.seq) for item in plan.items}
             victims = [s for s in self.running if id(s) not in scheduled and s is not seq]
             victim = victims[-1] if victims else seq
             self.preempt(victim, now)
@@ -109,9 +163,13 @@ class BatchPolicy:
             return False
         return True
 
-    def _admit(self, seq: Sequence, budget: int, now: float, is_first: bool) -> ScheduledItem | None:
+    def _admit(self, seq: Sequence, budget: int, now: float, is_first: bool,
+               in_flight: set[int]) -> ScheduledItem | Deferred | None:
         if seq.num_computed == 0:
             self._attach_prefix(seq, now)
+        if self._waits_for_prefix(seq, in_flight):
+            self._detach(seq)
+            return Deferred.WAIT_FOR_PREFIX
         num_new = min(seq.num_uncomputed, budget)
         if num_new < seq.num_uncomputed and not self.is_chunked_prefill:
             if not is_first:

@@ -44,6 +44,7 @@ class Sequence:
     num_preemptions: int = 0
     is_forked: bool = False  # n > 1 siblings already made from this one
     was_admitted: bool = False
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full pages (see batch_policy)
 
     @property
     def num_tokens(self) -> int:

@@ -294,3 +294,27 @@ def test_repetition_penalty_reduces_repeats() -> None:
     penalized = _tokens(engine, prompt, _greedy(30, repetition_penalty=2.0))
     assert _num_repeats(plain) > 0
     assert _num_repeats(penalized) < _num_repeats(plain)
+
+
+def test_requests_arriving_together_share_the_prefix_one_computes() -> None:
+    """In-batch prefix sharing: followers wait for the leader's pages instead of computing them again."""
+    shared = _prompt(40, seed=3)  # 10 full pages
+    prompts = [shared + _prompt(5, seed=10 + i) for i in range(4)]
+    alone = [_tokens(_engine(), p, _greedy(4, ignore_eos=True)) for p in prompts]
+    engine = _engine()
+    results = engine.generate(prompts, _greedy(4, ignore_eos=True))
+    assert [r.samples[0].token_ids for r in results] == alone
+    assert [r.num_cached_tokens for r in results] == [0, 40, 40, 40]
+    cold = _engine(enable_prefix_cache=False).generate(prompts, _greedy(4, ignore_eos=True))
+    assert [r.num_cached_tokens for r in cold] == [0, 0, 0, 0]
+    _assert_idle(engine)
+
+
+def test_followers_wait_for_a_leader_prefilling_in_chunks() -> None:
+    shared = _prompt(40, seed=4)
+    prompts = [shared + _prompt(3, seed=20 + i) for i in range(3)]
+    engine = _engine(max_num_batched_tokens=8)
+    results = engine.generate(prompts, _greedy(3, ignore_eos=True))
+    assert [r.num_cached_tokens for r in results] == [0, 40, 40]
+    assert [r.samples[0].token_ids for r in results] == [_tokens(_engine(), p, _greedy(3, ignore_eos=True))
+                                                         for p in prompts]
