@@ -1,4 +1,4 @@
-"""The `radixserve` command: `serve` the suite, or `generate` offline on the engine."""
+"""The `radixserve` command: `serve` the suite, `generate` offline on the engine, or `bench` a server."""
 from __future__ import annotations
 
 import argparse
@@ -28,6 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--device", default="auto")
     gen.add_argument("--dtype", default="auto")
+    bench = sub.add_parser("bench", help="benchmark an OpenAI-compatible server (workloads W0-W5, a trace); "
+                                         "the engine without HTTP: python -m bench.engine_offline")
+    from radixserve.bench.main import add_bench_arguments
+    add_bench_arguments(bench)
     return parser
 
 
@@ -35,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "generate":
         return _generate(args)
+    if args.command == "bench":
+        from radixserve.bench.main import run_bench
+        return run_bench(args, argv[1:] if argv is not None else sys.argv[2:])
     if args.command == "serve":
         from radixserve.serve import run_serve
         return run_serve(args)

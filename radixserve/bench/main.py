@@ -1,0 +1,200 @@
+"""`radixserve bench`: arguments, the runs of a sweep (variants × rates), and the outputs of each."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import shlex
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, fields, replace
+from pathlib import Path
+from typing import Any
+
+from radixserve.bench import plots, report, runner, scrape, workloads
+from radixserve.bench.client import Target
+from radixserve.bench.metrics import summarize
+
+WARMUP_SALT = 1_000_000  # warm-up prompts never share content with measured ones
+SIZE_HELP = {
+    "num_requests": "requests (W0, W1, W3, W4, custom)",
+    "input_len": "prompt tokens; W2: the question's; W3: the mean; W4: the chat prompts'; W5: each user turn's",
+    "output_len": "max_tokens (exact with ignore_eos); W3: the mean",
+    "num_groups": "W2 system prompts", "per_group": "W2 requests per system prompt",
+    "prefix_len": "W2/W5 system prompt tokens", "long_input_len": "W4 long prompts' tokens",
+    "long_output_len": "W4 long requests' max_tokens", "long_fraction": "W4 share of long requests",
+    "num_sessions": "W5 sessions", "turns": "W5 turns per session",
+}
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (with or without /v1)")
+    p.add_argument("--workload", default=None,
+                   help="w0 hf-parity, w1 decode-heavy, w2 shared-prefix, w3 online, w4 pd-mix, w5 multi-turn, custom")
+    p.add_argument("--trace", default=None, help='JSONL: {"timestamp", "prompt_ids"|"prompt"|"messages", "max_tokens"}')
+    p.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
+    p.add_argument("--tokenizer", default=None,
+                   help="bundled|DIR: send text of exact token lengths (default: token-id prompts)")
+    p.add_argument("--chat", action="store_true", help="/v1/chat/completions with messages (needs --tokenizer)")
+    p.add_argument("--vocab-size", type=int, default=32000, help="token-id prompts draw ids below this")
+    sizes = p.add_argument_group("workload sizes (defaults per workload: see docs/PERFORMANCE.md)")
+    for field in fields(workloads.Settings):
+        if field.name in SIZE_HELP:
+            kind = float if field.name == "long_fraction" else int
+            sizes.add_argument("--" + field.name.replace("_", "-"), type=kind, default=None, help=SIZE_HELP[field.name])
+    sizes.add_argument("--variant", default="shared", help="W2: shared, random, or shared,random (both, in order)")
+    sizes.add_argument("--sigma", type=float, default=0.8, help="W3 log-normal length shape")
+    load = p.add_argument_group("load")
+    load.add_argument("--rate", default=None, help="req/s (sessions/s for W5); inf = all at once; "
+                                                   "a list 1,2,4 sweeps (default inf; W3/W4: 1)")
+    load.add_argument("--arrival", choices=["poisson", "uniform"], default=None,
+                      help="gaps between arrivals (default poisson; W4 uniform)")
+    load.add_argument("--concurrency", type=int, default=None, help="at most this many requests in flight")
+    load.add_argument("--warmup", type=int, default=0, help="requests sent (and not measured) before each run")
+    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--slo-ttft-ms", type=float, default=None)
+    load.add_argument("--slo-tpot-ms", type=float, default=None)
+    req = p.add_argument_group("requests")
+    req.add_argument("--no-ignore-eos", action="store_true", help="omit ignore_eos (servers that reject it)")
+    req.add_argument("--temperature", type=float, default=0.0)
+    req.add_argument("--api-key", default="")
+    req.add_argument("--timeout-s", type=float, default=600.0, help="per request")
+    out = p.add_argument_group("output")
+    out.add_argument("--out-dir", default="bench/results", help="folder for the JSON result")
+    out.add_argument("--plot-dir", default=None, help="folder for the PNG plots (default: --out-dir)")
+    out.add_argument("--name", default=None, help="file stem for the JSON and plots")
+    out.add_argument("--hardware", default=None, help="describe the server's hardware for the record")
+    out.add_argument("--no-plots", action="store_true")
+    out.add_argument("--no-progress", action="store_true")
+    out.add_argument("--compare", nargs="+", metavar="RESULT.json", default=None,
+                     help="print these result files' runs side by side with ratios, and plot them together")
+
+
+def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
+    command = "radixserve bench " + shlex.join(argv if argv is not None else sys.argv[2:])
+    if args.compare:
+        return _compare(args)
+    if not args.workload and not args.trace:
+        print("error: give --workload NAME or --trace FILE (or --compare A.json B.json)", file=sys.stderr)
+        return 2
+    base_url = args.base_url.rstrip("/").removesuffix("/v1")
+    tokenizer = _tokenizer(args.tokenizer) if args.tokenizer else None
+    if args.chat and tokenizer is None and not args.trace:
+        print("error: --chat needs --tokenizer (chat messages are text)", file=sys.stderr)
+        return 2
+    maker = workloads.TextPrompts(tokenizer) if tokenizer else workloads.IdPrompts(args.vocab_size)
+    name = workloads.ALIASES.get(args.workload, args.workload) if args.workload else "trace"
+    settings = _settings(args, name)
+    rates = _rates(args.rate, name)
+    arrival = args.arrival or ("uniform" if name == "w4" else "poisson")
+    model = args.model or _first_model(base_url, args.api_key)
+    target = Target(base_url, model, is_chat=args.chat, ignore_eos=not args.no_ignore_eos,
+                    temperature=args.temperature, api_key=args.api_key, timeout_s=args.timeout_s)
+    variants = args.variant.split(",") if name == "w2" else [None]
+    runs = []
+    for variant in variants:
+        for rate in rates:
+            salt = len(runs)
+            run_settings = settings if variant is None else replace(settings, variant=variant)
+            run = _one_run(args, name, run_settings, maker, target, rate, arrival, salt, variant)
+            repeat = sum(r["label"].split(" #")[0] == run["label"] for r in runs)
+            run["label"] += f" #{repeat + 1}" if repeat else ""
+            runs.append(run)
+    print(report.table(runs, with_ratios=len(runs) > 1))
+    stem = args.name or f"{name}{'_' + '-'.join(variants) if variants != [None] else ''}_{time.strftime('%Y%m%d-%H%M%S')}"
+    record = report.result_record(
+        command, name, {**(asdict(settings) if settings else {}), "rates": rates, "arrival": arrival,
+                        "concurrency": args.concurrency, "warmup": args.warmup, "seed": args.seed,
+                        "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms,
+                        "prompts": "text" if tokenizer else "token ids", "tokenizer": args.tokenizer,
+                        "trace": args.trace, "endpoint": target.url.split("/v1/")[1],
+                        "ignore_eos": target.ignore_eos, "temperature": target.temperature},
+        {"base_url": base_url, "model": model}, runs, args.hardware)
+    path = report.write_json(record, args.out_dir, stem)
+    print(f"wrote {path}")
+    if not args.no_plots:
+        try:
+            for plot in _plot(runs, Path(args.plot_dir or args.out_dir), stem, f"{name} · {model} · {stem}"):
+                print(f"wrote {plot}")
+        except ImportError:
+            print("no plots: matplotlib is not installed", file=sys.stderr)
+    return 0 if all(r["figures"]["num_ok"] for r in runs) else 1
+
+
+def _one_run(args, name: str, settings, maker, target: Target, rate: float, arrival: str, salt: int,
+             variant: str | None) -> dict[str, Any]:
+    label = ", ".join(x for x in (variant, f"rate={rate:g}" if len(_rates(args.rate, name)) > 1 else None) if x) \
+        or f"rate={rate:g}"
+    work = _workload(args, name, settings, maker, salt)
+    if args.warmup:
+        warm = runner.warmup_workload(_workload(args, name, settings, maker, WARMUP_SALT + salt), args.warmup)
+        asyncio.run(runner.run(warm, target, [0.0] * (len(warm.sessions) or len(warm.requests)), maker,
+                               args.concurrency, f"warm-up {label}", not args.no_progress))
+    num_arrivals = len(work.sessions) or len(work.requests)
+    if work.requests and work.requests[0].arrival_s is not None:
+        arrivals = [r.arrival_s or 0.0 for r in work.requests]
+    else:
+        arrivals = workloads.arrival_times(num_arrivals, rate, args.seed + salt, arrival)
+    before = asyncio.run(scrape.fetch_cache_counts(target.base_url, target.headers))
+    records, duration_s = asyncio.run(runner.run(work, target, arrivals, maker, args.concurrency, label,
+                                                 not args.no_progress))
+    figures = summarize(records, duration_s, args.slo_ttft_ms, args.slo_tpot_ms)
+    if figures["cache_hit_rate"] is None:
+        after = asyncio.run(scrape.fetch_cache_counts(target.base_url, target.headers))
+        rate_from_metrics = scrape.hit_rate_between(before, after)
+        if rate_from_metrics is not None:
+            figures["cache_hit_rate"], figures["cache_hit_rate_source"] = rate_from_metrics, "/metrics"
+    return {"label": label, "series": variant or "", "rate": rate, "variant": variant, "figures": figures,
+            "requests": [r.to_json() for r in records]}
+
+
+def _workload(args, name: str, settings, maker, salt: int) -> workloads.Workload:
+    if args.trace:
+        return workloads.load_trace(args.trace, maker)
+    return workloads.build(name, settings, maker, args.seed, salt, is_chat=args.chat)
+
+
+def _settings(args: argparse.Namespace, name: str) -> workloads.Settings | None:
+    if name == "trace":
+        return None
+    given = {f.name: getattr(args, f.name) for f in fields(workloads.Settings) if f.name != "variant"}
+    return workloads.resolve(name, workloads.Settings(**given, variant=args.variant.split(",")[0]))
+
+
+def _rates(text: str | None, name: str) -> list[float]:
+    if text is None:
+        return [1.0] if name in ("w3", "w4") else [math.inf]
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _first_model(base_url: str, api_key: str) -> str:
+    request = urllib.request.Request(f"{base_url}/v1/models",
+                                     headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        return json.loads(resp.read())["data"][0]["id"]
+
+
+def _tokenizer(spec: str):
+    from services.tokenizer.model_files import load_tokenizer
+    return load_tokenizer(spec)
+
+
+def _plot(runs: list[dict[str, Any]], plot_dir: Path, stem: str, title: str) -> list[Path]:
+    paths = [plots.latency_cdfs(runs, plot_dir / f"{stem}_cdf.png", title)]
+    if sum(1 for r in runs if math.isfinite(r.get("rate") or math.inf)) > 1:
+        paths.append(plots.ttft_vs_rate(runs, plot_dir / f"{stem}_ttft_vs_rate.png", title))
+    return paths
+
+
+def _compare(args: argparse.Namespace) -> int:
+    runs = report.load_runs(args.compare)
+    print(report.table(runs, with_ratios=True))
+    if not args.no_plots:
+        stem = args.name or "compare_" + "_vs_".join(Path(p).stem for p in args.compare)[:150]
+        for run in runs:
+            run["series"] = Path(run["source"]).stem
+        for plot in _plot(runs, Path(args.plot_dir or args.out_dir), stem, "compare: " + " vs ".join(args.compare)):
+            print(f"wrote {plot}")
+    return 0

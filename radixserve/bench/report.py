@@ -1,0 +1,140 @@
+"""The terminal table, the JSON result file, and run-by-run comparison."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+ROWS: list[tuple[str, str, str]] = [  # (label, key path in figures, number format)
+    ("requests ok", "num_ok", "d"), ("errors", "num_errors", "d"), ("duration s", "duration_s", ".2f"),
+    ("request/s", "request_throughput", ".3f"), ("input tok/s", "input_tok_s", ".1f"),
+    ("output tok/s", "output_tok_s", ".1f"), ("goodput req/s", "goodput", ".3f"),
+    ("cache hit rate", "cache_hit_rate", ".3f"),
+    *[(f"{name.upper()} {stat} ms", f"{name}.{stat}_ms", ".1f")
+      for name in ("ttft", "tpot", "itl", "e2e") for stat in ("mean", "p50", "p90", "p99")],
+]
+LOWER_IS_BETTER = ("ttft", "tpot", "itl", "e2e", "num_errors", "duration_s")
+
+
+def lookup(figures: dict[str, Any], path: str) -> Any:
+    value: Any = figures
+    for key in path.split("."):
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
+
+
+def _cell(value: Any, fmt: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(value, fmt) if fmt != "d" else str(int(value))
+
+
+def table(runs: list[dict[str, Any]], with_ratios: bool = False) -> str:
+    """Runs side by side (one column each); with_ratios adds each run's ratio to the first."""
+    header = ["metric", *[r["label"] for r in runs]]
+    if with_ratios:
+        header += [f"{r['label']} / {runs[0]['label']}" for r in runs[1:]]
+    lines = [header]
+    for label, path, fmt in ROWS:
+        values = [lookup(r["figures"], path) for r in runs]
+        row = [label, *[_cell(v, fmt) for v in values]]
+        if with_ratios:
+            base = values[0]
+            row += [f"{v / base:.2f}x" if isinstance(v, (int, float)) and base else "-" for v in values[1:]]
+        lines.append(row)
+    errors = sorted({k for r in runs for k in r["figures"].get("errors", {})})
+    for kind in errors:
+        lines.append([f"  {kind}", *[str(r["figures"]["errors"].get(kind, 0)) for r in runs]]
+                     + (["-"] * (len(runs) - 1) if with_ratios else []))
+    widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
+    out = []
+    for n, row in enumerate(lines):
+        out.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        if n == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def result_record(command: str, workload: str, settings: dict[str, Any], target: dict[str, Any],
+                  runs: list[dict[str, Any]], server_hardware: str | None) -> dict[str, Any]:
+    client = client_hardware()
+    return {"command": command, "commit": commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "hardware": {"client": client, "server": server_hardware or _server_guess(target, client)},
+            "target": target, "workload": workload, "settings": settings, "runs": runs}
+
+
+def write_json(record: dict[str, Any], out_dir: str | Path, stem: str) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{stem}.json"
+    path.write_text(json.dumps(record, indent=1, default=str))
+    return path
+
+
+def load_runs(paths: list[str]) -> list[dict[str, Any]]:
+    """Every run of every result file, labelled file-stem:run-label (just the stem for single-run files)."""
+    runs = []
+    for path in paths:
+        record = json.loads(Path(path).read_text())
+        for run in record["runs"]:
+            label = Path(path).stem if len(record["runs"]) == 1 else f"{Path(path).stem}:{run['label']}"
+            runs.append({**run, "label": label, "source": str(path)})
+    return runs
+
+
+def client_hardware() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    gpus = ""
+    if shutil.which("nvidia-smi"):
+        try:
+            names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                   text=True, timeout=10).stdout.split("\n")
+            gpus = ", " + ", ".join(n.strip() for n in names if n.strip())
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return f"{cpu}, {cores} cores{gpus}, {platform.system()} {platform.release()}"
+
+
+def _server_guess(target: dict[str, Any], client: str) -> str:
+    host = target.get("base_url", "").split("://", 1)[-1].split("/", 1)[0].split(":", 1)[0]
+    if host in ("127.0.0.1", "localhost", "::1", "[::1]"):
+        return f"same machine as the client: {client}"
+    return "unknown (pass --hardware)"
+
+
+def commit() -> str:
+    """The checkout's commit, read from .git without running git; "unknown" outside a checkout."""
+    for root in (Path(__file__).resolve().parents[2], Path.cwd()):
+        git = root / ".git"
+        try:
+            head = (git / "HEAD").read_text().strip()
+        except OSError:
+            continue
+        if not head.startswith("ref: "):
+            return head[:12]
+        ref = head[5:]
+        try:
+            return (git / ref).read_text().strip()[:12]
+        except OSError:
+            pass
+        try:
+            for line in (git / "packed-refs").read_text().splitlines():
+                if line.endswith(" " + ref):
+                    return line.split()[0][:12]
+        except OSError:
+            pass
+    return "unknown"
