@@ -65,6 +65,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--no-prefix-cache", action="store_true", help="turn the radix prefix cache off")
+    parser.add_argument("--routing", default="cache_aware", choices=["cache_aware", "least_load", "round_robin"],
+                        help="how the scheduler picks a worker for each request")
     parser.add_argument("--api-key", action="append", default=[], help="require this API key (repeatable)")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the first worker")
 
@@ -81,7 +83,8 @@ def build_suite(args: argparse.Namespace, run_dir: Path) -> Suite:
     suite.children.append(Child("cache_index", ["services.cache_index", "--cache-index-addr", index,
                                                 "--redis-url", redis_url]))
     suite.children.append(Child("scheduler", ["services.scheduler", "--scheduler-addr", sched,
-                                              "--redis-url", redis_url, "--cache-index-addr", index]))
+                                              "--redis-url", redis_url, "--cache-index-addr", index,
+                                              "--routing", args.routing]))
     for i in range(args.workers):
         argv = ["services.gpu_worker", "--worker-id", f"worker{i}", "--worker-addr", ipc(f"worker{i}"),
                 "--scheduler-addrs", sched, "--cache-index-addr", index, "--model", args.model,

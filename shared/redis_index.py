@@ -4,12 +4,15 @@ longest-prefix reader (scheduler).
     rs:blk:{block_hash}       set of worker ids whose radix cache holds that block
     rs:wrk:{worker_id}        set of block hashes that worker holds (reverse index: O(own blocks) cleanup)
     rs:wrk:{worker_id}:meta   hash {incarnation, next_seq}: the event number the index is exact up to
+    rs:epoch                  a random token set once per Redis lifetime: when it vanishes or changes, the
+                              database was emptied (a restart without persistence) and writers rebuild
 
 NOTE: one writer per worker id (the cache_index that receives its events), so a read-then-write of one
 worker's keys (clear_worker, replace_worker) is not raced by another writer of the same worker.
 """
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -19,6 +22,7 @@ from shared.messages import AllBlocksCleared, BlocksRemoved, BlocksStored, KVEve
 
 BLOCK_PREFIX = "rs:blk:"
 WORKER_PREFIX = "rs:wrk:"
+EPOCH_KEY = "rs:epoch"
 
 # KEYS = the block keys of one prompt in chain order. Returns a flat list [worker, num_blocks, ...]: each
 # worker that holds KEYS[1], with the number of leading blocks it holds without a break.
@@ -83,6 +87,16 @@ def _queue_remove(pipe: Any, worker_id: str, block_hashes: Iterable[int]) -> Non
 
 def _queue_meta(pipe: Any, worker_id: str, incarnation: str, next_seq: int) -> None:
     pipe.hset(meta_key(worker_id), mapping={"incarnation": incarnation, "next_seq": next_seq})
+
+
+async def index_epoch(r: aioredis.Redis) -> str:
+    """The index's epoch token, created if missing (SET NX then GET, one round trip): a writer that sees it
+    differ from the one it saw before knows Redis lost the index."""
+    async with r.pipeline(transaction=True) as pipe:
+        pipe.set(EPOCH_KEY, uuid.uuid4().hex, nx=True)
+        pipe.get(EPOCH_KEY)
+        _, epoch = await pipe.execute()
+    return _text(epoch)
 
 
 async def add_blocks(r: aioredis.Redis, worker_id: str, block_hashes: Sequence[int]) -> None:

@@ -137,6 +137,14 @@ class Sequencer:
             state.buffered.clear()
             self._await_snapshot(state, None)
 
+    def resync_all(self) -> list[str]:
+        """The whole index was lost (Redis emptied): every worker not already awaiting a snapshot needs one.
+        Returns their ids, sorted."""
+        lost = sorted(w for w, state in self._workers.items() if not state.is_awaiting_snapshot)
+        for worker_id in lost:
+            self.mark_needs_snapshot(worker_id)
+        return lost
+
     def due_snapshot_requests(self, now_s: float, retry_s: float) -> list[tuple[str, str]]:
         """(worker_id, worker_addr) of each awaited snapshot never requested or requested over retry_s
         ago; each is marked requested now."""

@@ -1,5 +1,6 @@
 """The cache_index actor shell: a PULL socket of KV events, snapshots and WorkerGone, written to the Redis
-index in each worker's order; gaps, restarts and failed writes resynchronise from a worker snapshot."""
+index in each worker's order; gaps, restarts and failed writes resynchronise from a worker snapshot, and a
+Redis that lost the index (its epoch changed) is rebuilt from snapshots of every known worker."""
 from __future__ import annotations
 
 import time
@@ -35,6 +36,7 @@ class CacheIndexService(Actor):
         self._reply_addr = config.cache_index_addr
         self._pushes = transport.PushPool()
         self._pending_clears: set[str] = set()  # workers gone whose clear failed; retried
+        self._epoch: str | None = None  # the index epoch last seen in Redis (None: not read yet)
         self._handlers = {KVEventBatch: self._on_batch, CacheSnapshot: self._on_snapshot,
                           WorkerGone: self._on_worker_gone}
 
@@ -44,6 +46,10 @@ class CacheIndexService(Actor):
         self._pull = transport.bind(zmq.PULL, self.config.cache_index_addr)
         self._reply_addr = transport.advertised(transport.bound_addr(self._pull))
         self.spawn(transport.receive_forever(self._pull, CacheIndexInbound, self._dispatch), "receive")
+        try:
+            await self._check_epoch()
+        except REDIS_ERRORS as exc:
+            log.warning("redis unreachable at start; will retry", error=repr(exc))
         self.every(self.config.retry_interval_s, self._retry, "retry")
         log.info("ready", addr=self._reply_addr, redis_url=self.config.redis_url)
 
@@ -138,10 +144,18 @@ class CacheIndexService(Actor):
         except zmq.ZMQError as exc:
             log.warning("cannot reach worker for a snapshot", worker_id=worker_id, addr=worker_addr, error=str(exc))
 
+    async def _check_epoch(self) -> None:
+        """Read (or create) the index epoch; a changed one means Redis restarted empty: resync every worker."""
+        epoch = await redis_index.index_epoch(self._redis)
+        if self._epoch is not None and epoch != self._epoch:
+            lost = self.sequencer.resync_all()
+            log.warning("redis lost the index; rebuilding from worker snapshots", workers=lost)
+        self._epoch = epoch
+
     async def _retry(self) -> None:
-        """Periodic: while Redis answers, redo failed clears and (re-)request due snapshots."""
+        """Periodic: while Redis answers, check its epoch, redo failed clears and (re-)request due snapshots."""
         try:
-            await self._redis.ping()
+            await self._check_epoch()
         except REDIS_ERRORS:
             return
         for worker_id in sorted(self._pending_clears):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.scheduler.policy import POLICIES
+from services.scheduler.policy import POLICIES, CostWeights
 
 
 @dataclass(frozen=True)
@@ -20,10 +20,23 @@ class SchedulerConfig:
                                     metadata={"help": "longest a request waits for a worker (then 503)"})
     heartbeat_timeout_s: float = field(default=3.0,
                                        metadata={"help": "a worker silent this long is dead (its requests get 503)"})
-    routing: str = field(default="least_load", metadata={"help": "routing policy: " + ", ".join(POLICIES)})
+    routing: str = field(default="cache_aware", metadata={"help": "routing policy: " + ", ".join(POLICIES)})
+    route_request_tokens: float = field(
+        default=64.0, metadata={"help": "cache_aware: cost, in prompt tokens, of each active request on a worker"})
+    route_kv_tokens: float = field(
+        default=64.0, metadata={"help": "cache_aware: cost, in prompt tokens, of a worker's full KV pool"})
+    max_imbalance_ratio: float = field(
+        default=1.5, metadata={"help": "cache_aware: a worker with more than ratio × min + requests active "
+                                       "requests (min over the workers) gets none by affinity"})
+    max_imbalance_requests: int = field(default=4, metadata={"help": "cache_aware: the `requests` of that bound"})
+    pending_ttl_s: float = field(
+        default=5.0, metadata={"help": "seconds a routed prompt's blocks count as held by its worker before "
+                                       "the index shows them (0: off)"})
     redis_timeout_s: float = field(default=0.05, metadata={"help": "longest a prefix lookup may take"})
     redis_retry_s: float = field(default=5.0,
                                  metadata={"help": "after a Redis error, seconds of load-only routing before retrying"})
+    metrics_host: str = field(default="0.0.0.0", metadata={"help": "bind host of the /metrics endpoint"})
+    metrics_port: int = field(default=0, metadata={"help": "HTTP port of Prometheus /metrics (0: off)"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
 
     def __post_init__(self) -> None:
@@ -33,3 +46,14 @@ class SchedulerConfig:
             raise ValueError("max_queue must be >= 0")
         if min(self.heartbeat_timeout_s, self.max_queue_wait_s, self.redis_timeout_s, self.redis_retry_s) <= 0:
             raise ValueError("heartbeat_timeout_s, max_queue_wait_s, redis_timeout_s, redis_retry_s must be > 0")
+        if self.max_imbalance_ratio < 1 or self.max_imbalance_requests < 0:
+            raise ValueError("max_imbalance_ratio must be >= 1 and max_imbalance_requests >= 0")
+        if min(self.route_request_tokens, self.route_kv_tokens, self.pending_ttl_s) < 0:
+            raise ValueError("route_request_tokens, route_kv_tokens and pending_ttl_s must be >= 0")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError("metrics_port must be 0 (off) or a TCP port")
+
+    @property
+    def cost_weights(self) -> CostWeights:
+        return CostWeights(self.route_request_tokens, self.route_kv_tokens, self.max_imbalance_ratio,
+                           self.max_imbalance_requests)

@@ -1,8 +1,10 @@
 """The scheduler actor shell: one ROUTER for tokenizers, workers and gateways; admission, routing through a
-policy, the in-flight table, and failing the requests of workers that die."""
+policy (global index lookups merged with pending entries), the in-flight table, failing the requests of
+workers that die, and the /metrics endpoint."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import msgspec
@@ -14,7 +16,9 @@ import zmq.asyncio
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.inflight import InFlightTable
-from services.scheduler.policy import Candidate, RouteRequest, make_policy
+from services.scheduler.metrics import SchedulerMetrics, serve_metrics
+from services.scheduler.pending import PendingPrefixes, merge_prefixes
+from services.scheduler.policy import Candidate, Decision, Reason, RouteRequest, make_policy
 from services.scheduler.registry import HeartbeatKind, Registry
 from services.scheduler.waiting_queue import WaitingQueue
 from shared import redis_index, transport
@@ -38,7 +42,15 @@ class SchedulerService(Actor):
         self.registry = Registry()
         self.inflight = InFlightTable()
         self.queue = WaitingQueue(config.max_queue)
-        self.policy = make_policy(config.routing, config.heartbeat_timeout_s)
+        self.policy = make_policy(config.routing, config.heartbeat_timeout_s, config.cost_weights)
+        self.pending = PendingPrefixes(config.pending_ttl_s)
+        self.metrics = SchedulerMetrics(config.routing)
+        self.metrics.gauge("radixserve_scheduler_workers", "live workers known", lambda: len(self.registry))
+        self.metrics.gauge("radixserve_scheduler_queued_requests", "requests waiting for a worker",
+                           lambda: len(self.queue))
+        self.metrics.gauge("radixserve_scheduler_in_flight_requests", "requests routed and not finished",
+                           lambda: len(self.inflight))
+        self._metrics_runner = None
         self._router: zmq.asyncio.Socket | None = None
         self._pushes = transport.PushPool()
         self._redis: aioredis.Redis | None = None
@@ -55,10 +67,15 @@ class SchedulerService(Actor):
         self.spawn(transport.receive_forever(self._router, SchedulerInbound, self._dispatch, has_identity=True),
                    "receive")
         self.every(min(MAX_TICK_S, self.config.heartbeat_timeout_s / 4), self._tick, "expiry")
+        if self.config.metrics_port:
+            self._metrics_runner = await serve_metrics(self.metrics, self.config.metrics_host,
+                                                       self.config.metrics_port)
         log.info("ready", addr=transport.bound_addr(self._router), routing=self.config.routing,
-                 redis_url=self.config.redis_url or None)
+                 redis_url=self.config.redis_url or None, metrics_port=self.config.metrics_port or None)
 
     async def close(self) -> None:
+        if self._metrics_runner is not None:
+            await self._metrics_runner.cleanup()
         self._pushes.close()
         if self._router is not None:
             self._router.close(linger=0)
@@ -76,31 +93,51 @@ class SchedulerService(Actor):
         """Send request to the policy's worker and record it in flight; False if no worker may take it."""
         if not len(self.registry):
             return False
-        cached = await self._lookup_prefix(request)
-        route = RouteRequest(request.request_id, len(request.prompt_token_ids), len(request.block_hashes),
-                             time.monotonic(), model_id=request.model_id or None, num_cached_blocks=cached)
-        candidates = [Candidate(w, self.inflight.count(w.worker_id)) for w in self.registry.workers()]
-        worker_id = self.policy.choose_worker(candidates, route)
-        if worker_id is None:
+        decision = await self._decide(request)
+        if decision is None:
             return False
-        self.inflight.add(request.request_id, worker_id, request.reply_addr)
-        await self._pushes.send(self.registry.get(worker_id).addr, request)
-        log.debug("routed", request_id=request.request_id, worker_id=worker_id)
+        self.inflight.add(request.request_id, decision.worker_id, request.reply_addr)
+        self.pending.add(request.block_hashes, decision.worker_id, time.monotonic())
+        self.metrics.on_routed(decision, len(request.block_hashes))
+        await self._pushes.send(self.registry.get(decision.worker_id).addr, request)
         return True
 
-    async def _lookup_prefix(self, request: TokenizedRequest) -> dict[str, int]:
-        """{worker_id: cached prefix blocks} from the global index; {} without Redis or while it fails."""
+    async def _decide(self, request: TokenizedRequest) -> Decision | None:
+        """The policy's choice over every known worker, given the prefix each holds; logged with its reason."""
+        cached = await self._lookup_prefix(request)
         now_s = time.monotonic()
-        if self._redis is None or not request.block_hashes or now_s < self._redis_paused_until_s:
+        if cached is not None:
+            cached = merge_prefixes(cached, self.pending.longest_prefix(request.block_hashes, now_s))
+        route = RouteRequest(request.request_id, len(request.prompt_token_ids), len(request.block_hashes),
+                             now_s, model_id=request.model_id or None, num_cached_blocks=cached or {})
+        candidates = [Candidate(w, self.inflight.count(w.worker_id)) for w in self.registry.workers()]
+        decision = self.policy.choose(candidates, route)
+        if decision is not None and cached is None:
+            decision = dataclasses.replace(decision, reason=Reason.FALLBACK)
+        if decision is not None:
+            log.debug("routed", request_id=request.request_id, worker_id=decision.worker_id,
+                      policy=self.config.routing, reason=decision.reason.value, num_blocks=len(request.block_hashes),
+                      num_cached_blocks=route.num_cached_blocks)
+        return decision
+
+    async def _lookup_prefix(self, request: TokenizedRequest) -> dict[str, int] | None:
+        """{worker_id: cached prefix blocks} from the global index ({} without Redis or block hashes);
+        None while the index cannot be read: the request is then routed on load alone."""
+        now_s = time.monotonic()
+        if self._redis is None or not request.block_hashes:
             return {}
+        if now_s < self._redis_paused_until_s:
+            return None
         try:
             cached = await asyncio.wait_for(redis_index.longest_prefix(self._redis, request.block_hashes),
                                             self.config.redis_timeout_s)
         except REDIS_ERRORS as exc:
             if not self._redis_paused_until_s:
                 log.warning("prefix lookup failed; routing on load alone", error=repr(exc))
+            self.metrics.lookup_errors.inc()
             self._redis_paused_until_s = now_s + self.config.redis_retry_s
-            return {}
+            return None
+        self.metrics.lookup_seconds.observe(time.monotonic() - now_s)
         if self._redis_paused_until_s:
             log.info("prefix lookups recovered")
             self._redis_paused_until_s = 0.0
@@ -160,7 +197,9 @@ class SchedulerService(Actor):
         await transport.send(self._router, reply, identity)
 
     async def _tick(self) -> None:
-        """Periodic: drop workers that missed heartbeats, and fail queued requests past their deadline."""
+        """Periodic: drop workers that missed heartbeats, fail queued requests past their deadline, and forget
+        pending entries whose time is up."""
+        self.pending.expire(time.monotonic())
         for worker in self.registry.expire(time.monotonic(), self.config.heartbeat_timeout_s):
             log.warning("worker missed heartbeats; dropped", worker_id=worker.worker_id)
             self._pushes.drop(worker.addr)

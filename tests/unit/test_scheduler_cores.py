@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from services.cache_index.sequencer import Action, Sequencer
 from services.scheduler.inflight import InFlight, InFlightTable
-from services.scheduler.policy import Candidate, LeastLoadPolicy, RouteRequest, make_policy
+from services.scheduler.policy import Candidate, LeastLoadPolicy, Reason, RouteRequest, make_policy
 from services.scheduler.registry import HeartbeatKind, Registry, WorkerInfo
 from services.scheduler.waiting_queue import WaitingQueue
 from shared.messages import (AllBlocksCleared, BlocksRemoved, BlocksStored, CacheSnapshot, KVEvent, KVEventBatch,
@@ -33,6 +33,11 @@ def info(worker_id: str, last_seen_s: float = 100.0, model_id: str = "m", role: 
 
 def route(now_s: float = 100.0, model_id: str | None = None) -> RouteRequest:
     return RouteRequest("r1", num_prompt_tokens=32, num_blocks=2, now_s=now_s, model_id=model_id)
+
+
+def chosen(policy, candidates: list[Candidate], request: RouteRequest) -> str | None:
+    decision = policy.choose(candidates, request)
+    return None if decision is None else decision.worker_id
 
 
 def tokenized(request_id: str) -> TokenizedRequest:
@@ -67,19 +72,19 @@ def test_least_load_prefers_fewest_active_then_free_pages_then_id() -> None:
     a = info("a", worker_load=load(running=2, waiting=1, free=90))
     b = info("b", worker_load=load(running=1, waiting=1, free=10))
     c = info("c", worker_load=load(running=2, free=50))
-    assert policy.choose_worker([Candidate(a), Candidate(b)], route()) == "b"
-    assert policy.choose_worker([Candidate(a), Candidate(b), Candidate(c)], route()) == "c"  # 2 = 2: pages
+    assert chosen(policy, [Candidate(a), Candidate(b)], route()) == "b"
+    assert chosen(policy, [Candidate(a), Candidate(b), Candidate(c)], route()) == "c"  # 2 = 2: pages
     d = info("d", worker_load=load(running=2, free=50))
     e = info("e", worker_load=load(running=2, free=60))
-    assert policy.choose_worker([Candidate(d), Candidate(c)], route()) == "c"  # equal load and pages: id
-    assert policy.choose_worker([Candidate(d), Candidate(c), Candidate(e)], route()) == "e"  # more free pages
+    assert chosen(policy, [Candidate(d), Candidate(c)], route()) == "c"  # equal load and pages: id
+    assert chosen(policy, [Candidate(d), Candidate(c), Candidate(e)], route()) == "e"  # more free pages
 
 
 def test_least_load_counts_own_in_flight_between_heartbeats() -> None:
     policy = LeastLoadPolicy(TIMEOUT_S)
     a, b = info("a"), info("b", worker_load=load(running=2))
-    assert policy.choose_worker([Candidate(a, num_in_flight=3), Candidate(b, num_in_flight=0)], route()) == "b"
-    assert policy.choose_worker([Candidate(a, num_in_flight=2), Candidate(b, num_in_flight=2)], route()) == "a"
+    assert chosen(policy, [Candidate(a, num_in_flight=3), Candidate(b, num_in_flight=0)], route()) == "b"
+    assert chosen(policy, [Candidate(a, num_in_flight=2), Candidate(b, num_in_flight=2)], route()) == "a"
     assert Candidate(b, num_in_flight=1).num_active == 2 and Candidate(b, num_in_flight=5).num_active == 5
 
 
@@ -90,11 +95,11 @@ def test_policy_never_picks_dead_mismatched_or_unroutable_workers() -> None:
     other = info("other", model_id="n")
     prefill = info("prefill", role="prefill")
     candidates = [Candidate(w) for w in (dead, other, prefill, busy)]
-    assert policy.choose_worker(candidates, route(model_id="m")) == "busy"
-    assert policy.choose_worker(candidates, route(model_id="n")) == "other"
-    assert policy.choose_worker(candidates, route(model_id="x")) is None
-    assert policy.choose_worker([Candidate(dead), Candidate(prefill)], route()) is None
-    assert policy.choose_worker([], route()) is None
+    assert chosen(policy, candidates, route(model_id="m")) == "busy"
+    assert chosen(policy, candidates, route(model_id="n")) == "other"
+    assert chosen(policy, candidates, route(model_id="x")) is None
+    assert chosen(policy, [Candidate(dead), Candidate(prefill)], route()) is None
+    assert chosen(policy, [], route()) is None
 
 
 worker_strategy = st.builds(
@@ -112,12 +117,13 @@ def test_policy_property_choice_is_eligible_and_least_loaded(workers: list[Worke
     request = route(now_s=100.0, model_id=model_id)
     eligible = [c for c in candidates if 100.0 - c.worker.last_seen_s <= TIMEOUT_S and c.worker.role == "mixed"
                 and model_id in (None, c.worker.model_id)]
-    chosen = LeastLoadPolicy(TIMEOUT_S).choose_worker(candidates, request)
+    chosen_id = chosen(LeastLoadPolicy(TIMEOUT_S), candidates, request)
     if not eligible:
-        assert chosen is None
+        assert chosen_id is None
         return
     best = min((c.num_active, -c.worker.load.num_free_pages, c.worker.worker_id) for c in eligible)
-    assert chosen == best[2]
+    assert chosen_id == best[2]
+    assert LeastLoadPolicy(TIMEOUT_S).choose(candidates, request).reason is Reason.LOAD
 
 
 # --- in-flight table --------------------------------------------------------------------------------------
@@ -322,3 +328,15 @@ def test_sequencer_keeps_the_index_exact_whenever_it_is_not_resyncing(
         state = seq.get("w")
         if state is not None and not state.is_awaiting_snapshot:
             assert index == truth_at[state.next_seq]
+
+
+def test_sequencer_resync_all_marks_every_worker_not_already_resyncing() -> None:
+    seq = Sequencer()
+    seq.on_batch(batch(0, [stored(1)], worker_id="a"), 0.0)
+    seq.on_batch(batch(0, [stored(2)], worker_id="b"), 0.0)
+    seq.on_batch(batch(5, [stored(3)], worker_id="c"), 0.0)  # already awaiting, requested at 0.0
+    assert seq.resync_all() == ["a", "b"]
+    assert sorted(seq.due_snapshot_requests(now_s=0.5, retry_s=1.0)) == [("a", "ipc://w"), ("b", "ipc://w")]
+    assert seq.on_batch(batch(1, [stored(4)], worker_id="a"), 0.6).action is Action.BUFFER
+    assert seq.resync_all() == []
+    seq.check_invariants()
