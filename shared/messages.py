@@ -175,6 +175,8 @@ class WorkerLoad(msgspec.Struct, frozen=True):
     num_queued_tokens: int  # prompt tokens admitted but not yet prefilled
     num_free_pages: int
     num_total_pages: int
+    num_cached_pages: int = 0  # pages the radix cache holds (idle worker: used pages == cached pages)
+    num_leased_pages: int = 0  # prefill role: prompt pages held for decode workers to pull
 
 
 class WorkerHeartbeat(msgspec.Struct, frozen=True, tag=True):
@@ -187,6 +189,7 @@ class WorkerHeartbeat(msgspec.Struct, frozen=True, tag=True):
     role: str  # "mixed" | "prefill" | "decode"
     page_size: int
     load: WorkerLoad
+    transfer: TransferStats | None = None  # PD counters (None before the first handoff)
     version: int = PROTOCOL_VERSION
 
 
@@ -195,6 +198,7 @@ class RequestFinished(msgspec.Struct, frozen=True, tag=True):
 
     request_id: str
     worker_id: str
+    handed_off: bool = False  # prefill worker: the request continues on its decode worker (KVReady sent)
     version: int = PROTOCOL_VERSION
 
 
@@ -238,12 +242,130 @@ class StatusReply(msgspec.Struct, frozen=True, tag=True):
     version: int = PROTOCOL_VERSION
 
 
+# --- prefill/decode disaggregation: KV handed off by reference (see docs/ARCHITECTURE.md, "PD") ---------
+
+class TransferStats(msgspec.Struct, frozen=True):
+    """A worker's PD counters since it started (heartbeats carry them; tests and /metrics read them)."""
+
+    num_handoffs: int = 0  # prefill: KVReady sent
+    num_leases: int = 0  # prefill: leases held now
+    num_leases_expired: int = 0  # prefill: leases ended by expiry (the decode side never released them)
+    num_imports: int = 0  # decode: KVReady received and joined the batch
+    num_import_fallbacks: int = 0  # decode: pull failed or lease ran out; the prompt was recomputed locally
+    num_pages_pulled: int = 0  # decode: pages copied from prefill workers
+    num_pages_reused: int = 0  # decode: prompt pages its own radix cache already held (not pulled)
+    num_bytes_pulled: int = 0
+    pull_seconds: float = 0.0  # decode: wall time spent in pulls (in transfer threads)
+
+
+class CudaIpcHandle(msgspec.Struct, frozen=True):
+    """torch's CUDA IPC handle of one storage (`UntypedStorage._share_cuda_()`), field for field."""
+
+    device: int
+    handle: bytes
+    size_bytes: int
+    offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+
+class KVSource(msgspec.Struct, frozen=True):
+    """Where a prefill worker's KV pool can be read, and its layout.
+
+    The pool is `k` then `v`, each [num_layers, num_pages, page_size, num_kv_heads, head_dim] of dtype.
+    A decode worker picks a backend by placement: shm (same host_id, cpu), cuda_ipc (same host_id, cuda),
+    else stream (pages chunked over ZeroMQ from stream_addr).
+    """
+
+    host_id: str
+    device_type: str  # "cpu" | "cuda"
+    num_layers: int
+    num_pages: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    stream_addr: str = ""  # ROUTER serving PagesRequest ("" = none)
+    shm_name: str = ""  # POSIX shared-memory segment holding k then v ("" = none)
+    cuda_k: CudaIpcHandle | None = None
+    cuda_v: CudaIpcHandle | None = None
+
+
+class PrefillRequest(msgspec.Struct, frozen=True, tag=True):
+    """scheduler → prefill worker: compute the prompt, stream the first token, then hand the KV to decode_addr."""
+
+    request: TokenizedRequest
+    decode_worker_id: str
+    decode_addr: str  # the decode worker's PULL address (for KVReady)
+    version: int = PROTOCOL_VERSION
+
+
+class KVReady(msgspec.Struct, frozen=True, tag=True):
+    """prefill worker → decode worker: the prompt's KV sits in page_ids under a lease; pull what you lack.
+
+    page_ids[i] holds prompt tokens [i * page_size, (i + 1) * page_size) (the last page may be partial).
+    first_token was sampled from the prompt and already streamed to request.reply_addr; its KV is not
+    computed (the decode worker feeds it next). Release the lease with ReleaseLease to prefill_addr.
+    """
+
+    request: TokenizedRequest
+    first_token: int
+    first_logprob: TokenLogprobEntry | None
+    num_cached_tokens: int  # prompt tokens the prefill worker's cache served
+    page_ids: list[int]
+    source: KVSource
+    prefill_worker_id: str
+    prefill_addr: str  # the prefill worker's PULL address (for ReleaseLease)
+    lease_id: str
+    lease_expires_s: float  # unix time after which the pages may be reused
+    version: int = PROTOCOL_VERSION
+
+
+class ReleaseLease(msgspec.Struct, frozen=True, tag=True):
+    """decode worker → prefill worker: done with this lease (pulled, aborted or failed); free its pages."""
+
+    lease_id: str
+    request_id: str
+    num_pages_pulled: int = 0
+    version: int = PROTOCOL_VERSION
+
+
+class PagesRequest(msgspec.Struct, frozen=True, tag=True):
+    """decode worker → prefill worker's transfer ROUTER (stream backend): send these leased pages."""
+
+    lease_id: str
+    page_ids: list[int]
+    max_chunk_bytes: int = 8 << 20
+    version: int = PROTOCOL_VERSION
+
+
+class PagesChunk(msgspec.Struct, frozen=True, tag=True):
+    """prefill worker → decode worker (stream backend): pages page_ids[first:first + num_pages] as raw bytes.
+
+    k and v are each [num_layers, num_pages, page_size, num_kv_heads, head_dim] in the source dtype,
+    C-contiguous. error is set (and the data empty) when the lease is unknown or expired.
+    """
+
+    lease_id: str
+    first: int
+    num_pages: int
+    k: bytes
+    v: bytes
+    is_last: bool
+    error: str = ""
+    version: int = PROTOCOL_VERSION
+
+
 GatewayInbound = GenerateChunk | GenerateError
 TokenizerInbound = GenerateRequest | AbortRequest
 TokenizerStreamInbound = TokenBatch | GenerateError
 SchedulerInbound = (TokenizedRequest | AbortRequest | WorkerHeartbeat | RequestFinished | WorkerGone
                     | StatusRequest)
-WorkerInbound = TokenizedRequest | AbortRequest | SnapshotRequest
+WorkerInbound = TokenizedRequest | AbortRequest | SnapshotRequest | PrefillRequest | KVReady | ReleaseLease
+TransferInbound = PagesRequest
+TransferReply = PagesChunk
 CacheIndexInbound = KVEventBatch | CacheSnapshot | WorkerGone
 
 _encoder = msgspec.msgpack.Encoder()

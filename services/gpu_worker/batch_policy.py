@@ -254,6 +254,42 @@ class BatchPolicy:
         self._detach(seq)
         seq.status = SeqStatus.FINISHED
 
+    def hold(self, seq: Sequence, now: float) -> None:
+        """PD prefill side: seq sampled its first token; keep its prompt pages (and cache lock) for a decode
+        worker to pull, out of the running set. release() frees them later."""
+        self._cache_computed(seq, now)
+        self.running.remove(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def release(self, seq: Sequence) -> None:
+        """Free what a held or importing sequence still holds."""
+        self._detach(seq)
+
+    def reserve_import(self, seq: Sequence, now: float) -> int | None:
+        """PD decode side: pages for seq's prompt, whose KV another worker computed.
+
+        Reuses this worker's own cached prefix, allocates the rest; returns how many leading prompt pages
+        came from the cache (the caller pulls the others), or None when the pool has no room.
+
+            prompt:   |<----------- num_prompt_tokens ----------->|
+            pages:    | cached  | cached |  new  |  new  | new(partial)|
+                      |<- returned count ->|<---- pulled --------->|
+        """
+        self._attach_prefix(seq, now)  # matches token_ids[:-1] == the prompt
+        if not self._reserve(seq, seq.num_prompt_tokens - seq.num_computed):
+            self._detach(seq)
+            return None
+        seq.status = SeqStatus.IMPORTING
+        return seq.num_computed // self.page_size
+
+    def join_imported(self, seq: Sequence, now: float) -> None:
+        """The pulled prompt KV is in place: seq decodes from its first token on (it feeds it next step)."""
+        seq.num_computed = seq.num_prompt_tokens
+        seq.status = SeqStatus.RUNNING
+        seq.was_admitted = True
+        self.running.append(seq)
+        self._cache_computed(seq, now)
+
     def fork(self, parent: Sequence, children: list[Sequence]) -> list[PageCopy]:
         """Start n-1 siblings right after parent's prompt: they share its full pages and get a private
         copy of its partial last page. A child that finds no page waits and recomputes instead."""

@@ -32,6 +32,14 @@ class WorkerConfig:
     max_model_len: int = field(default=0, metadata={"help": "context limit (0: the model's)"})
     enable_prefix_cache: bool = field(default=True, metadata={"help": "keep the radix prefix cache on"})
     heartbeat_interval_s: float = field(default=0.5, metadata={"help": "seconds between heartbeats"})
+    transfer_addr: str = field(default="tcp://127.0.0.1:0",
+                               metadata={"help": "prefill role: ROUTER address serving KV pages (stream backend)"})
+    kv_transfer: str = field(default="auto", metadata={"help": "decode side: auto (by placement), shm, cuda_ipc "
+                                                               "or stream; prefill side: stream disables shm"})
+    lease_ttl_s: float = field(default=30.0,
+                               metadata={"help": "prefill role: seconds a decode worker has to pull a prompt's KV"})
+    host_id: str = field(default="", metadata={"help": "placement identity for KV transfer (empty: hostname)"})
+    num_pull_threads: int = field(default=2, metadata={"help": "decode side: concurrent KV pulls"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
 
     def __post_init__(self) -> None:
@@ -41,6 +49,10 @@ class WorkerConfig:
             raise ValueError("scheduler_addrs names no scheduler")
         if self.heartbeat_interval_s <= 0:
             raise ValueError("heartbeat_interval_s must be > 0")
+        if self.kv_transfer not in ("auto", "shm", "cuda_ipc", "stream"):
+            raise ValueError(f"kv_transfer must be auto, shm, cuda_ipc or stream, not {self.kv_transfer!r}")
+        if self.lease_ttl_s <= 0 or self.num_pull_threads < 1:
+            raise ValueError("lease_ttl_s must be > 0 and num_pull_threads >= 1")
 
     @property
     def scheduler_addr_list(self) -> list[str]:
@@ -49,6 +61,10 @@ class WorkerConfig:
     @property
     def resolved_worker_id(self) -> str:
         return self.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+
+    @property
+    def resolved_host_id(self) -> str:
+        return self.host_id or socket.gethostname()
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(model=self.model, device=self.device, dtype=self.dtype, page_size=self.page_size,

@@ -38,6 +38,34 @@ class RequestResult:
 
 
 @dataclass(frozen=True)
+class Handoff:
+    """PD prefill side: a prefill-only request sampled its first token; its prompt pages are held."""
+
+    request_id: str
+    first_token: int
+    first_logprob: TokenLogprob | None
+    page_ids: list[int]  # the prompt's pages, in order (the last may be partial)
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True)
+class ImportPlan:
+    """PD decode side: where an imported prompt's pages live here, and which of them must be pulled.
+
+    page_ids[i] is this worker's page for prompt page i; pages [num_reused_pages:] need the source's data.
+    is_recompute: the pool had no room, so the request was queued to prefill locally instead.
+    """
+
+    page_ids: list[int]
+    num_reused_pages: int
+    is_recompute: bool = False
+
+    @property
+    def page_indices_to_fill(self) -> list[int]:
+        return list(range(self.num_reused_pages, len(self.page_ids)))
+
+
+@dataclass(frozen=True)
 class EngineStats:
     num_running: int
     num_waiting: int
@@ -73,18 +101,101 @@ class Engine:
         self.policy = BatchPolicy(self.pool, self.cache, config.page_size, config.max_num_batched_tokens,
                                   config.max_num_seqs, config.enable_chunked_prefill)
         self.backend = make_backend(config.attention_backend, self.device.type)
+        self.graphs = self._setup_cuda_path(config)
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids)
         self._requests: dict[str, list[Sequence]] = {}
+        self._held: dict[str, Sequence] = {}  # PD prefill side: prompt pages kept under a lease
+        self._importing: dict[str, Sequence] = {}  # PD decode side: pages being filled by a pull
+        self._handoffs: list[Handoff] = []
         self._next_seq_id = 0
         self._num_steps = 0
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request; raises ValueError for a prompt that can never run."""
+    def _setup_cuda_path(self, config: EngineConfig):
+        """With the Triton backend: fused kernels in the model, and decode CUDA graphs when enabled."""
+        if self.backend.name != "triton":
+            return None
+        self.model.enable_fused_kernels()
+        if not config.enable_cuda_graphs or self.device.type != "cuda":
+            return None
+        from services.gpu_worker.cuda_graphs import DecodeGraphs
+
+        graphs = DecodeGraphs(self.model, self.kv, self.backend, config.max_num_seqs, self.max_seq_len)
+        graphs.capture()
+        return graphs
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    is_prefill_only: bool = False) -> None:
+        """Queue a request; raises ValueError for a prompt that can never run.
+
+        is_prefill_only (PD prefill side): after the first token the request stops here and its prompt
+        pages are held (see drain_handoffs / release_held), unless that token already ended it.
+        """
         self._validate(request_id, prompt_token_ids)
+        if is_prefill_only and params.n > 1:
+            raise ValueError("a prefill-only request must have n == 1")
         seq = self._new_sequence(request_id, 0, list(prompt_token_ids), params)
+        seq.is_prefill_only = is_prefill_only
         self._requests[request_id] = [seq]
         self.policy.add(seq)
+
+    def drain_handoffs(self) -> list[Handoff]:
+        """Prefill-only requests that sampled their first token since the last call (their pages are held)."""
+        handoffs, self._handoffs = self._handoffs, []
+        return handoffs
+
+    def release_held(self, request_id: str) -> bool:
+        """Free a held prefill-only request's pages (lease released, expired or aborted)."""
+        seq = self._held.pop(request_id, None)
+        if seq is None:
+            return False
+        self.policy.release(seq)
+        return True
+
+    def export_pages(self, page_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of these pages, each [num_layers, len(page_ids), page_size, num_kv_heads, head_dim]."""
+        index = torch.tensor(page_ids, dtype=torch.long, device=self.kv.k.device)
+        return self.kv.k.index_select(1, index), self.kv.v.index_select(1, index)
+
+    def import_request(self, request_id: str, prompt_token_ids: list[int], first_token: int,
+                       params: SamplingParams, num_cached_tokens: int = 0) -> ImportPlan:
+        """PD decode side: take over a request another worker prefilled.
+
+        Matches this worker's own cache and allocates only the pages it lacks; the caller fills pages
+        page_indices_to_fill (a pull) and then calls finish_import. With no room in the pool the request
+        is queued to recompute its prompt here instead (is_recompute; nothing to pull).
+        """
+        self._validate(request_id, prompt_token_ids)
+        if params.n > 1:
+            raise ValueError("an imported request must have n == 1")
+        seq = self._new_sequence(request_id, 0, [*prompt_token_ids, first_token], params)
+        seq.num_prompt_tokens = len(prompt_token_ids)
+        self._requests[request_id] = [seq]
+        num_reused = self.policy.reserve_import(seq, time.monotonic())
+        seq.num_cached_tokens = num_cached_tokens
+        seq.was_admitted = True  # keep num_cached_tokens: the prefill worker's cache served those
+        if num_reused is None:
+            self.policy.add(seq)
+            return ImportPlan([], 0, is_recompute=True)
+        self._importing[request_id] = seq
+        return ImportPlan(list(seq.page_ids), num_reused)
+
+    def finish_import(self, request_id: str, is_filled: bool) -> bool:
+        """The pull ended: join the decode batch (is_filled), or recompute the prompt here (pull failed).
+
+        Returns False when the request was aborted meanwhile (its pages are freed now, not earlier:
+        a pull may write into them until it ends).
+        """
+        seq = self._importing.pop(request_id)
+        if seq.finish_reason is not None:
+            self.policy.release(seq)
+            return False
+        if is_filled:
+            self.policy.join_imported(seq, time.monotonic())
+        else:
+            self.policy.release(seq)
+            self.policy.add(seq)
+        return True
 
     def _validate(self, request_id: str, prompt_token_ids: list[int]) -> None:
         if request_id in self._requests:
@@ -113,8 +224,12 @@ class Engine:
     def abort(self, request_id: str) -> list[TokenOutput]:
         """Stop a request now and free its pages; unknown or finished ids are ignored."""
         outputs = []
+        self.release_held(request_id)
         for seq in self._requests.pop(request_id, []):
-            if not seq.is_finished:
+            if seq.status is SeqStatus.IMPORTING:  # NOTE: pages stay until finish_import (a pull may be writing)
+                seq.finish_reason = FinishReason.ABORT
+                outputs.append(self._output(seq, []))
+            elif not seq.is_finished:
                 self.policy.finish(seq, time.monotonic())
                 seq.finish_reason = FinishReason.ABORT
                 outputs.append(self._output(seq, []))
@@ -137,6 +252,10 @@ class Engine:
 
     def _forward(self, plan: StepPlan) -> torch.Tensor:
         """Run the model over every scheduled chunk; return logits of sampling chunks [B_s, V] fp32."""
+        if self.graphs is not None:
+            logits = self.graphs.try_forward(plan.items)
+            if logits is not None:
+                return logits
         input_ids, positions, slots, query_start, seq_lens = [], [], [], [0], []
         logit_rows = []
         page_size = self.config.page_size
@@ -181,8 +300,7 @@ class Engine:
                 group += children
             seqs += group
             rows += [i] * len(group)
-        sampling_rows = [SamplingRow(s.params, s.token_ids[: s.num_prompt_tokens], s.output_token_ids,
-                                     s.generator) for s in seqs]
+        sampling_rows = [_sampling_row(s) for s in seqs]
         token_ids, logprobs = self.sampler(logits[torch.tensor(rows, device=logits.device)], sampling_rows)
         for seq, token_id, logprob in zip(seqs, token_ids, logprobs):
             self._append_token(seq, token_id, logprob)
@@ -191,8 +309,19 @@ class Engine:
         for seq in seqs:
             if seq.finish_reason is not None:
                 self.policy.finish(seq, now)
+            elif seq.is_prefill_only:
+                self._hold(seq, now)
         return [self._output(seq, [t], [lp] if lp is not None else None)
                 for seq, t, lp in zip(seqs, token_ids, logprobs)]
+
+    def _hold(self, seq: Sequence, now: float) -> None:
+        self.policy.hold(seq, now)
+        self._requests.pop(seq.request_id, None)
+        self._held[seq.request_id] = seq
+        num_prompt_pages = -(-seq.num_prompt_tokens // self.config.page_size)
+        first_logprob = seq.logprobs[-1] if seq.logprobs else None
+        self._handoffs.append(Handoff(seq.request_id, seq.token_ids[-1], first_logprob,
+                                      list(seq.page_ids[:num_prompt_pages]), seq.num_cached_tokens))
 
     def _make_children(self, parent: Sequence) -> list[Sequence]:
         """A request with n > 1 samples: siblings 1..n-1 share the parent's one prompt pass."""
@@ -262,3 +391,11 @@ class Engine:
         first = seqs[0]
         return RequestResult(request_id, first.token_ids[: first.num_prompt_tokens], first.num_cached_tokens,
                              [SequenceResult(s.output_token_ids, s.finish_reason, s.logprobs) for s in seqs])
+
+
+def _sampling_row(seq: Sequence) -> SamplingRow:
+    """The sampler reads token history only for penalties; skip copying it (per step, per row) otherwise."""
+    p = seq.params
+    if p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0:
+        return SamplingRow(p, (), (), seq.generator)
+    return SamplingRow(p, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids, seq.generator)

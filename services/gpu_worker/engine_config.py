@@ -26,7 +26,8 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_cache: bool = True
     enable_chunked_prefill: bool = True
-    attention_backend: str = "auto"
+    attention_backend: str = "auto"  # "auto": triton on cuda, torch elsewhere
+    enable_cuda_graphs: bool = True  # cuda + triton: replay captured decode steps (cuda_graphs.py)
     seed: int = 0  # random weights' seed for random:<preset> models
 
     def resolved_device(self) -> str:

@@ -19,9 +19,12 @@ import msgspec
 import structlog
 
 from services.gpu_worker.engine import Engine
+from services.gpu_worker.handoff import HandoffSettings, Handoffs, ImportDoneCommand
+from services.gpu_worker.kv_transfer.base import default_host_id
 from services.gpu_worker.request import SamplingParams, TokenOutput
-from shared.messages import (CacheSnapshot, GenerateError, KVEventBatch, RequestFinished, SamplingSpec,
-                             TokenBatch, TokenizedRequest, TokenLogprobEntry, TokenOutputs, WorkerLoad)
+from shared.messages import (CacheSnapshot, GenerateError, KVEventBatch, KVReady, PrefillRequest, ReleaseLease,
+                             RequestFinished, SamplingSpec, TokenBatch, TokenizedRequest, TokenLogprobEntry,
+                             TokenOutputs, TransferStats, WorkerLoad)
 
 log = structlog.get_logger(__name__)
 
@@ -56,7 +59,27 @@ class StopCommand:
     message: str = "the worker is shutting down"
 
 
-Command = AddCommand | AbortCommand | SnapshotCommand | StopCommand
+@dataclass(frozen=True)
+class PrefillCommand:
+    """PD prefill side: compute the prompt, stream the first token, lease the pages to the decode worker."""
+
+    prefill: PrefillRequest
+
+
+@dataclass(frozen=True)
+class KVReadyCommand:
+    """PD decode side: a prefill worker announced a request's pages."""
+
+    ready: KVReady
+
+
+@dataclass(frozen=True)
+class ReleaseCommand:
+    release: ReleaseLease
+
+
+Command = (AddCommand | AbortCommand | SnapshotCommand | StopCommand | PrefillCommand | KVReadyCommand
+           | ReleaseCommand | ImportDoneCommand)
 
 
 @dataclass(frozen=True)
@@ -75,6 +98,7 @@ class InFlight:
     num_samples: int
     num_prompt_tokens: int
     finished_indices: set[int] = field(default_factory=set)
+    prefill: PrefillRequest | None = None  # PD prefill side: where the KV goes after the first token
 
 
 def sampling_params(spec: SamplingSpec) -> SamplingParams:
@@ -96,20 +120,21 @@ def token_outputs(out: TokenOutput) -> TokenOutputs:
                         out.num_prompt_tokens, out.num_cached_tokens)
 
 
-def engine_load(engine: Engine) -> WorkerLoad:
+def engine_load(engine: Engine, num_leased_pages: int = 0) -> WorkerLoad:
     """The engine's load as heartbeats report it; num_free_pages counts only unused pool pages."""
     stats = engine.stats()
     num_queued = sum(s.num_uncomputed for s in engine.policy.waiting)
     num_queued += sum(s.num_uncomputed for s in engine.policy.running if s.num_uncomputed > 1)
     return WorkerLoad(num_running=stats.num_running, num_waiting=stats.num_waiting, num_queued_tokens=num_queued,
-                      num_free_pages=stats.num_free_pages, num_total_pages=stats.num_total_pages)
+                      num_free_pages=stats.num_free_pages, num_total_pages=stats.num_total_pages,
+                      num_cached_pages=stats.num_cached_pages, num_leased_pages=num_leased_pages)
 
 
 class EngineLoop:
     """Owns the engine from start() on: only the engine thread touches it."""
 
     def __init__(self, engine: Engine, identity: WorkerIdentity, deliver: Callable[[list[Envelope]], None],
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, handoff: HandoffSettings | None = None) -> None:
         self.engine = engine
         self.identity = identity
         self.next_seq = 0  # the number of the next KV event
@@ -119,6 +144,9 @@ class EngineLoop:
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._in_flight: dict[str, InFlight] = {}
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.handoffs = Handoffs(engine, handoff or HandoffSettings(identity.worker_id, identity.worker_addr,
+                                                                    default_host_id()), self.submit, clock)
+        self.transfer: TransferStats = self.handoffs.stats  # replaced (never mutated) by the engine thread
 
     def start(self) -> None:
         self._thread.start()
@@ -143,16 +171,24 @@ class EngineLoop:
             for command in self._next_commands():
                 if isinstance(command, StopCommand):
                     envelopes += self._fail_all(command.status, "server_error", command.message)
+                    self.handoffs.close()
                     self._finish_iteration(envelopes)
                     return
                 envelopes += self._handle(command)
             if self.is_busy:
                 envelopes += self._step()
+                envelopes += [Envelope(*e) for e in self.handoffs.after_step(self._take_prefill)]
+            self.handoffs.expire()
             self._finish_iteration(envelopes)
 
     def _next_commands(self) -> list[Command]:
         """Every queued command; waits for one when the engine has nothing to do."""
-        commands = [] if self.is_busy else [self._commands.get()]
+        commands: list[Command] = []
+        if not self.is_busy:
+            try:
+                commands.append(self._commands.get(timeout=self.handoffs.wait_timeout_s()))
+            except queue.Empty:  # a lease is due to expire
+                return commands
         while True:
             try:
                 commands.append(self._commands.get_nowait())
@@ -161,7 +197,8 @@ class EngineLoop:
 
     def _finish_iteration(self, envelopes: list[Envelope]) -> None:
         envelopes += self._kv_events()
-        self.load = engine_load(self.engine)
+        self.load = engine_load(self.engine, self.handoffs.leases.num_pages)
+        self.transfer = self.handoffs.stats
         if envelopes:
             self._deliver(envelopes)
 
@@ -173,6 +210,15 @@ class EngineLoop:
                 return self._abort(command.request_id)
             if isinstance(command, SnapshotCommand):
                 return self._snapshot(command.reply_addr)
+            if isinstance(command, PrefillCommand):
+                return self._add(command.prefill.request, command.prefill)
+            if isinstance(command, KVReadyCommand):
+                return self._import(command.ready)
+            if isinstance(command, ImportDoneCommand):
+                return [Envelope(*e) for e in self.handoffs.finish_import(command)]
+            if isinstance(command, ReleaseCommand):
+                self.handoffs.on_release(command.release)
+                return []
         except Exception:  # noqa: BLE001 - an engine bug fails the work in flight, not the worker
             log.exception("engine command failed", command=type(command).__name__)
             envelopes = self._fail_all(500, "server_error", "the worker's engine failed")
@@ -181,17 +227,37 @@ class EngineLoop:
             return envelopes
         return []
 
-    def _add(self, request: TokenizedRequest) -> list[Envelope]:
+    def _add(self, request: TokenizedRequest, prefill: PrefillRequest | None = None) -> list[Envelope]:
         if request.deadline_s is not None and self._clock() > request.deadline_s:
             return self._reject(request, 504, "timeout", "the request's deadline passed before it started")
         try:
             params = sampling_params(request.sampling)
-            self.engine.add_request(request.request_id, request.prompt_token_ids, params)
+            self.engine.add_request(request.request_id, request.prompt_token_ids, params,
+                                    is_prefill_only=prefill is not None)
         except ValueError as exc:
             return self._reject(request, 400, "invalid_request_error", str(exc))
         self._in_flight[request.request_id] = InFlight(request.reply_addr, params.n,
-                                                       len(request.prompt_token_ids))
+                                                       len(request.prompt_token_ids), prefill=prefill)
         return []
+
+    def _take_prefill(self, request_id: str) -> PrefillRequest | None:
+        """A prefill-only request handed off: it leaves this worker's in-flight table."""
+        state = self._in_flight.pop(request_id, None)
+        return None if state is None else state.prefill
+
+    def _import(self, ready: KVReady) -> list[Envelope]:
+        """PD decode side: continue a request another worker prefilled (see handoff.py)."""
+        request = ready.request
+        if self.handoffs.was_aborted(request.request_id) or request.request_id in self._in_flight:
+            return [Envelope(*self.handoffs.release_lease_of(ready))]
+        try:
+            params = sampling_params(request.sampling)
+            envelopes = [Envelope(*e) for e in self.handoffs.start_import(ready, params)]
+        except ValueError as exc:
+            return [Envelope(*self.handoffs.release_lease_of(ready)),
+                    *self._reject(request, 400, "invalid_request_error", str(exc))]
+        self._in_flight[request.request_id] = InFlight(request.reply_addr, 1, len(request.prompt_token_ids))
+        return envelopes
 
     def _reject(self, request: TokenizedRequest, status: int, code: str, message: str) -> list[Envelope]:
         log.info("request rejected", request_id=request.request_id, status=status, reason=message)
@@ -202,6 +268,7 @@ class EngineLoop:
 
     def _abort(self, request_id: str) -> list[Envelope]:
         """Abort a request; every sample not yet ended ends with "abort" (unforked siblings included)."""
+        self.handoffs.on_abort(request_id)
         state = self._in_flight.get(request_id)
         if state is None:
             return []
@@ -250,6 +317,7 @@ class EngineLoop:
             envelopes.append(Envelope(state.reply_addr, GenerateError(request_id, status, code, message)))
             envelopes.append(self._finished(request_id))
         self._in_flight.clear()
+        self.handoffs.release_all()
         return envelopes
 
     def _finished(self, request_id: str) -> Envelope:

@@ -13,6 +13,7 @@ class SeqStatus(Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+    IMPORTING = "importing"  # PD decode side: pages allocated, the prompt's KV being pulled from a prefill worker
 
 
 @dataclass(eq=False)
@@ -45,6 +46,7 @@ class Sequence:
     is_forked: bool = False  # n > 1 siblings already made from this one
     was_admitted: bool = False
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full pages (see batch_policy)
+    is_prefill_only: bool = False  # PD prefill side: after the first token, hold the prompt's pages (a lease)
 
     @property
     def num_tokens(self) -> int:

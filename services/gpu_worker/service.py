@@ -13,12 +13,15 @@ import zmq.asyncio
 
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.engine import Engine
-from services.gpu_worker.engine_loop import (AbortCommand, AddCommand, EngineLoop, Envelope, SnapshotCommand,
-                                             WorkerIdentity)
+from services.gpu_worker.engine_loop import (AbortCommand, AddCommand, EngineLoop, Envelope, KVReadyCommand,
+                                             PrefillCommand, ReleaseCommand, SnapshotCommand, WorkerIdentity)
+from services.gpu_worker.handoff import HandoffSettings
+from services.gpu_worker.kv_transfer.export import ExportedPool, export_pool
+from services.gpu_worker.kv_transfer.stream import PageServer
 from shared import hashing, transport
 from shared.actor import Actor
-from shared.messages import (AbortRequest, SnapshotRequest, TokenizedRequest, WorkerGone, WorkerHeartbeat,
-                             WorkerInbound)
+from shared.messages import (AbortRequest, KVReady, PrefillRequest, ReleaseLease, SnapshotRequest,
+                             TokenizedRequest, WorkerGone, WorkerHeartbeat, WorkerInbound)
 
 log = structlog.get_logger(__name__)
 
@@ -41,8 +44,11 @@ class WorkerService(Actor):
         self._pushes = transport.PushPool()
         self._outbox: asyncio.Queue[list[Envelope]] = asyncio.Queue()
         self._worker_addr = config.worker_addr
+        self._page_server: PageServer | None = None
+        self._exported: ExportedPool | None = None
         self._handlers = {TokenizedRequest: self._on_request, AbortRequest: self._on_abort,
-                          SnapshotRequest: self._on_snapshot}
+                          SnapshotRequest: self._on_snapshot, PrefillRequest: self._on_prefill,
+                          KVReady: self._on_kv_ready, ReleaseLease: self._on_release}
 
     async def start(self) -> None:
         hashing.self_check()
@@ -50,7 +56,10 @@ class WorkerService(Actor):
         self._worker_addr = transport.advertised(transport.bound_addr(self._pull))
         engine = await self._load_engine()
         identity = WorkerIdentity(self.worker_id, self._worker_addr, self.incarnation, self.config.cache_index_addr)
-        self.engine_loop = EngineLoop(engine, identity, self._deliver_threadsafe(asyncio.get_running_loop()))
+        self.engine_loop = EngineLoop(engine, identity, self._deliver_threadsafe(asyncio.get_running_loop()),
+                                      handoff=self._handoff_settings(engine))
+        if self._page_server is not None:
+            self.spawn(self._page_server.serve_forever(), "pages")
         self._dealers = [transport.connect(zmq.DEALER, addr, identity=self.worker_id.encode())
                          for addr in self.config.scheduler_addr_list]
         self.engine_loop.start()
@@ -80,6 +89,24 @@ class WorkerService(Actor):
               file=sys.stderr, flush=True)
         return engine
 
+    def _handoff_settings(self, engine: Engine) -> HandoffSettings:
+        """PD: a prefill worker shares its KV pool (shm or CUDA IPC by device) and serves pages as a stream."""
+        config = self.config
+        source = None
+        if config.role == "prefill":
+            self._page_server = PageServer(config.transfer_addr, self._is_leased, engine.export_pages)
+            shm_name = f"radixserve-kv-{self.worker_id}-{self.incarnation[:12]}"
+            self._exported = export_pool(engine.kv, config.resolved_host_id, shm_name, self._page_server.addr,
+                                         config.kv_transfer)
+            source = self._exported.source
+            log.info("kv pool exported", shm_name=source.shm_name or None, stream_addr=source.stream_addr,
+                     has_cuda_ipc=source.cuda_k is not None)
+        return HandoffSettings(self.worker_id, self._worker_addr, config.resolved_host_id, config.lease_ttl_s,
+                               config.kv_transfer, config.num_pull_threads, source)
+
+    def _is_leased(self, lease_id: str, page_ids: list[int]) -> bool:
+        return self.engine_loop is not None and self.engine_loop.handoffs.is_leased(lease_id, page_ids)
+
     def _deliver_threadsafe(self, loop: asyncio.AbstractEventLoop):
         """The engine thread's delivery callback: hand envelopes to the event loop's outbox."""
         def deliver(envelopes: list[Envelope]) -> None:
@@ -101,6 +128,15 @@ class WorkerService(Actor):
     async def _on_snapshot(self, msg: SnapshotRequest) -> None:
         self.engine_loop.submit(SnapshotCommand(msg.reply_addr))
 
+    async def _on_prefill(self, msg: PrefillRequest) -> None:
+        self.engine_loop.submit(PrefillCommand(msg))
+
+    async def _on_kv_ready(self, msg: KVReady) -> None:
+        self.engine_loop.submit(KVReadyCommand(msg))
+
+    async def _on_release(self, msg: ReleaseLease) -> None:
+        self.engine_loop.submit(ReleaseCommand(msg))
+
     async def _send_forever(self) -> None:
         while True:
             await self._send_all(await self._outbox.get())
@@ -121,7 +157,7 @@ class WorkerService(Actor):
         await self._to_schedulers(WorkerHeartbeat(
             worker_id=self.worker_id, incarnation=self.incarnation, addr=self._worker_addr,
             model_id=engine.model_config.model_id, role=self.config.role, page_size=engine.config.page_size,
-            load=self.engine_loop.load))
+            load=self.engine_loop.load, transfer=self.engine_loop.transfer))
 
     async def close(self) -> None:
         """Fail what is in flight, flush its messages, say WorkerGone, and close every socket."""
@@ -135,6 +171,10 @@ class WorkerService(Actor):
             await self._to_schedulers(gone)
             if self.config.cache_index_addr:
                 await self._pushes.send(self.config.cache_index_addr, gone)
+        if self._page_server is not None:
+            self._page_server.close()
+        if self._exported is not None:
+            self._exported.close()
         # NOTE: destroy() closes every socket of the context (PushPool's too) with this linger, then blocks
         # until the final messages left or the linger ran out.
         transport.context().destroy(linger=FLUSH_LINGER_MS)

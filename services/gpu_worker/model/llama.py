@@ -97,11 +97,23 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
                              persistent=False)
+        self.is_fused = False
+
+    def enable_fused_kernels(self) -> None:
+        """CUDA only: fused projections and the Triton RMSNorm/RoPE/SiLU·mul kernels (model/fused.py)."""
+        from services.gpu_worker.model import fused  # imports triton
+
+        fused.fuse_projections(self)
+        self.is_fused = True
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         """input_ids, positions: [T] int64 → hidden: [T, hidden] (after the final norm)."""
+        if self.is_fused:
+            from services.gpu_worker.model import fused
+
+            return fused.forward(self, input_ids, positions, cache, meta, backend)
         h = self.model.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = cos_sin(positions, self.inv_freq, h.dtype)  # [T, D]
         for layer in self.model.layers:

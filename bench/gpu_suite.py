@@ -1,0 +1,290 @@
+"""The H200 suite in one device call: GPU kernel tests, each kernel's bandwidth on Llama-3.1-8B shapes, then
+the engine on random:llama3-8b (batch-1 TPOT, W0 against transformers generate() in the same run, W1),
+every figure against the memory roofline. Writes JSON (after every phase, so a cut-off run keeps its figures).
+
+    python -m bench.gpu_suite --out $OUT [--w1-requests 1000] [--time-budget-s 540]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+WEIGHT_BYTES = 16.06e9  # Llama-3.1-8B bf16, BENCHMARKS.md's roofline definition
+KV_BYTES_PER_TOKEN = 131072
+COPY_TBS = 4.27  # the machine's measured copy ceiling (re-measured below and reported beside it)
+
+
+class Suite:
+    def __init__(self, out: Path, budget_s: float) -> None:
+        self.out, self.start, self.budget_s = out, time.perf_counter(), budget_s
+        self.record: dict = {"command": "python -m bench.gpu_suite " + " ".join(sys.argv[1:]),
+                             "hardware": torch.cuda.get_device_name(), "torch": torch.__version__,
+                             "date": time.strftime("%Y-%m-%d"), "model": "random:llama3-8b", "phases": {}}
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def save(self, name: str, figures) -> None:
+        self.record["phases"][name] = figures
+        self.record["elapsed_s"] = round(self.elapsed(), 1)
+        (self.out / "gpu_suite.json").write_text(json.dumps(self.record, indent=2, default=str))
+        print(f"[{self.elapsed():6.1f}s] {name}: {json.dumps(figures, default=str)[:1500]}", flush=True)
+
+
+def run_gpu_tests(out: Path) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/kernels", "-p", "no:cacheprovider",
+                           "-o", "timeout=300"],
+                          capture_output=True, text=True)
+    (out / "gpu_tests.log").write_text(proc.stdout + proc.stderr)
+    return {"returncode": proc.returncode, "summary": (proc.stdout.strip().splitlines() or [""])[-1]}
+
+
+def _bench(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e-3  # seconds
+
+
+def kernel_bandwidth() -> dict:
+    """Each kernel on Llama-3.1-8B shapes: bytes it must move over its median time, vs the copy ceiling."""
+    from services.gpu_worker.kernels.decode_attention import decode_attention, num_splits_for
+    from services.gpu_worker.kernels.extend_attention import extend_attention
+    from services.gpu_worker.kernels.kv_write import kv_write
+    from services.gpu_worker.kernels.rms_norm import rms_norm
+    from services.gpu_worker.kernels.rope import rope_
+    from services.gpu_worker.kernels.silu_mul import silu_mul
+
+    dev, bf = "cuda", torch.bfloat16
+    res: dict = {}
+    src = torch.randn(2 << 28, device=dev, dtype=bf)  # 1 GiB
+    dst = torch.empty_like(src)
+    res["copy_1GiB"] = _row(2 * src.numel() * 2, _bench(lambda: dst.copy_(src)))
+    del src, dst
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for batch, seq_len in ((1, 4096), (64, 2048), (256, 1504)):
+        pages = batch * seq_len // 16
+        k_cache = torch.randn((pages + 1, 16, 8, 128), device=dev, dtype=bf)
+        v_cache = torch.randn_like(k_cache)
+        table = (torch.randperm(pages, device=dev).to(torch.int32) + 1).view(batch, -1)
+        lens = torch.full((batch,), seq_len, dtype=torch.int32, device=dev)
+        q = torch.randn((batch, 32, 128), device=dev, dtype=bf)
+        splits = num_splits_for(batch, 8, num_sms)
+        t = _bench(lambda: decode_attention(q, k_cache, v_cache, table, lens, splits))
+        res[f"decode_attention_B{batch}_L{seq_len}"] = {**_row(batch * seq_len * 8 * 128 * 2 * 2, t), "splits": splits}
+        del k_cache, v_cache
+    for num_seqs, q_len in ((4, 512), (1, 2048)):
+        pages = num_seqs * q_len // 16
+        k_cache = torch.randn((pages + 1, 16, 8, 128), device=dev, dtype=bf)
+        v_cache = torch.randn_like(k_cache)
+        table = (torch.arange(pages, device=dev, dtype=torch.int32) + 1).view(num_seqs, -1)
+        lens = torch.full((num_seqs,), q_len, dtype=torch.int32, device=dev)
+        qs = torch.arange(num_seqs + 1, device=dev, dtype=torch.int32) * q_len
+        q = torch.randn((num_seqs * q_len, 32, 128), device=dev, dtype=bf)
+        t = _bench(lambda: extend_attention(q, k_cache, v_cache, qs, lens, table, q_len))
+        flops = num_seqs * 32 * 4 * 128 * q_len * q_len / 2  # causal: QK and PV, 2 flops per MAC
+        res[f"extend_attention_{num_seqs}x{q_len}"] = {"seconds": t, "tflops": flops / t / 1e12}
+    for tokens in (1, 256, 4096):
+        x, r = torch.randn((tokens, 4096), device=dev, dtype=bf), torch.randn((tokens, 4096), device=dev, dtype=bf)
+        w = torch.randn(4096, device=dev, dtype=bf)
+        res[f"rms_norm_residual_T{tokens}"] = _row(4 * tokens * 4096 * 2, _bench(lambda: rms_norm(x, w, 1e-5, r)))
+        qkv = torch.randn((tokens, 48, 128), device=dev, dtype=bf)
+        pos = torch.randint(0, 8192, (tokens,), device=dev)
+        inv = torch.rand(64, device=dev)
+        res[f"rope_T{tokens}"] = _row(2 * tokens * 40 * 128 * 2, _bench(lambda: rope_(qkv[:, :32], qkv[:, 32:40], pos, inv)))
+        gu = torch.randn((tokens, 2 * 14336), device=dev, dtype=bf)
+        res[f"silu_mul_T{tokens}"] = _row(3 * tokens * 14336 * 2, _bench(lambda: silu_mul(gu)))
+        kc = torch.randn((tokens // 16 + 2, 16, 8, 128), device=dev, dtype=bf)
+        vc = torch.randn_like(kc)
+        slots = torch.randperm(tokens, device=dev).to(torch.int32) + 16
+        res[f"kv_write_T{tokens}"] = _row(4 * tokens * 8 * 128 * 2, _bench(
+            lambda: kv_write(qkv[:, 32:40], qkv[:, 40:], kc, vc, slots)))
+    return res
+
+
+def _row(num_bytes: float, seconds: float) -> dict:
+    return {"bytes": num_bytes, "us": round(seconds * 1e6, 2), "tb_s": round(num_bytes / seconds / 1e12, 3),
+            "frac_of_copy": round(num_bytes / seconds / 1e12 / COPY_TBS, 3)}
+
+
+def make_engine(loaded, max_num_seqs: int, chunk: int, graphs: bool = True):
+    from services.gpu_worker.engine import Engine
+    from services.gpu_worker.engine_config import EngineConfig
+
+    config = EngineConfig(model="random:llama3-8b", device="cuda", dtype="bfloat16", max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=chunk, max_model_len=4096, enable_prefix_cache=False,
+                          enable_cuda_graphs=graphs)
+    return Engine(config, loaded=loaded)
+
+
+def run_timed(engine, prompts, output_len: int, deadline: float | None = None) -> dict:
+    """All prompts at once, greedy, EOS ignored. Per decode-only (graph) step: B, sum of seq_lens, seconds."""
+    from services.gpu_worker.request import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{engine._next_seq_id}-{i}", prompt, params)
+    num_out, steps, is_cut = 0, [], False
+    graphs = engine.graphs
+    while engine.has_unfinished():
+        if deadline is not None and time.perf_counter() > deadline:
+            is_cut = True
+            break
+        running = engine.policy.running
+        batch, kv_tokens = len(running), sum(s.num_computed + 1 for s in running)
+        replays = graphs.num_replays if graphs else 0
+        t0 = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - t0
+        if graphs and graphs.num_replays > replays:
+            steps.append((batch, kv_tokens, dt))
+        for out in outs:
+            num_out += len(out.token_ids)
+            if out.finish_reason is not None:
+                engine.release_finished(out.request_id)
+    if is_cut:
+        for rid in list(engine._requests):
+            engine.abort(rid)
+            engine.release_finished(rid)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "num_output_tokens": num_out, "output_tok_s": num_out / seconds,
+            "is_cut_short": is_cut, "decode_steps": steps}
+
+
+def summarise_steps(steps: list, copy_tbs: float) -> dict:
+    if not steps:
+        return {}
+    ratios = [dt / ((WEIGHT_BYTES + kv * KV_BYTES_PER_TOKEN) / (copy_tbs * 1e12)) for _, kv, dt in steps]
+    times = [dt for _, _, dt in steps]
+    batches = [b for b, _, _ in steps]
+    return {"num_decode_steps": len(steps), "median_step_ms": round(statistics.median(times) * 1e3, 3),
+            "median_batch": statistics.median(batches), "max_batch": max(batches),
+            "median_step_over_roofline": round(statistics.median(ratios), 3)}
+
+
+def graph_replay_ms(engine, bucket: int) -> float:
+    """GPU time of one captured decode forward + LM head at `bucket` rows of 1-token context (weights only)."""
+    graph = engine.graphs.graphs[bucket]
+    return _bench(graph.replay) * 1e3
+
+
+def hf_generate(loaded, prompts, output_len: int) -> dict:
+    """transformers generate() on the very same weight tensors (assigned, not copied), batch = len(prompts)."""
+    import transformers
+
+    from services.gpu_worker.model.loader import hf_config_dict
+
+    cfg = dict(hf_config_dict(loaded.config))
+    model_type = cfg.pop("model_type")
+    cfg.pop("architectures", None)
+    config = transformers.AutoConfig.for_model(model_type, **cfg)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    missing, unexpected = model.load_state_dict(loaded.state_dict, strict=False, assign=True)
+    assert not missing and not unexpected, (missing[:3], unexpected[:3])
+    model.eval()
+    ids = torch.tensor(prompts, device="cuda")
+    mask = torch.ones_like(ids)
+    model.generate(ids[:, :8], attention_mask=mask[:, :8], max_new_tokens=4, do_sample=False, pad_token_id=0)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len,
+                         do_sample=False, pad_token_id=0)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    num_out = (out.shape[1] - ids.shape[1]) * out.shape[0]
+    del model, out
+    return {"seconds": seconds, "num_output_tokens": num_out, "output_tok_s": num_out / seconds}
+
+
+def prompts_for(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(num)]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    p.add_argument("--time-budget-s", type=float, default=540)
+    p.add_argument("--skip-tests", action="store_true")
+    p.add_argument("--w0-requests", type=int, default=128)
+    p.add_argument("--w1-requests", type=int, default=1000)
+    p.add_argument("--w1-max-seqs", type=int, default=256)
+    p.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    suite = Suite(out, args.time_budget_s)
+    if not args.skip_tests:
+        suite.save("gpu_tests", run_gpu_tests(out))
+    kernels = kernel_bandwidth()
+    copy_tbs = kernels["copy_1GiB"]["tb_s"]
+    suite.save("kernels", kernels)
+
+    from services.gpu_worker.model.loader import load_model
+
+    loaded = load_model("random:llama3-8b", dtype=torch.bfloat16, device="cuda", seed=0)
+    vocab = loaded.config.vocab_size
+    t0 = time.perf_counter()
+    engine = make_engine(loaded, max_num_seqs=max(args.w0_requests, args.w1_max_seqs), chunk=args.chunk)
+    setup_s = time.perf_counter() - t0
+    replay = {b: round(graph_replay_ms(engine, b), 3) for b in (1, 8, 64, 128, 256) if b in engine.graphs.graphs}
+    suite.save("engine_setup", {"seconds_incl_graph_capture": round(setup_s, 1), "num_pages": engine.num_pages,
+                                "graph_buckets": engine.graphs.buckets, "graph_replay_ms_1token_ctx": replay,
+                                "weights_roofline_ms": round(WEIGHT_BYTES / (copy_tbs * 1e12) * 1e3, 3)})
+
+    b1_prompt = prompts_for(1, 512, vocab, 1)
+    run_timed(engine, b1_prompt, 8)  # warm-up
+    b1 = run_timed(engine, b1_prompt, 256)
+    tpot = statistics.median(dt for _, _, dt in b1["decode_steps"])
+    suite.save("batch1_decode", {"tpot_ms": round(tpot * 1e3, 3), "tok_s": round(1 / tpot, 1),
+                                 "roofline_ms": 3.76, "tpot_over_roofline": round(tpot * 1e3 / 3.76, 3),
+                                 **summarise_steps(b1["decode_steps"], copy_tbs)})
+
+    w0_prompts = prompts_for(args.w0_requests, 512, vocab, 0)
+    w0_runs = [run_timed(engine, w0_prompts, 256) for _ in range(2)]
+    w0 = sorted(w0_runs, key=lambda r: r["seconds"])[0]
+    w0_fig = {"radixserve": {k: v for k, v in w0.items() if k != "decode_steps"},
+              "all_seconds": [r["seconds"] for r in w0_runs], **summarise_steps(w0["decode_steps"], copy_tbs)}
+    w0_fig["decode_steps_seconds"] = round(sum(dt for _, _, dt in w0["decode_steps"]), 3)
+    suite.save("w0", w0_fig)
+
+    engine.graphs = None
+    engine = None
+    gc.collect()
+    torch.cuda.empty_cache()
+    hf = hf_generate(loaded, w0_prompts, 256)
+    w0_fig["transformers"] = hf
+    w0_fig["ratio_output_tok_s"] = round(w0["output_tok_s"] / hf["output_tok_s"], 2)
+    suite.save("w0", w0_fig)
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    engine = make_engine(loaded, max_num_seqs=args.w1_max_seqs, chunk=args.chunk)
+    deadline = suite.start + args.time_budget_s
+    w1_prompts = prompts_for(args.w1_requests, 1000, vocab, 2)
+    w1 = run_timed(engine, w1_prompts, 1000, deadline=deadline)
+    w1_fig = {k: v for k, v in w1.items() if k != "decode_steps"}
+    w1_fig.update(summarise_steps(w1["decode_steps"], copy_tbs))
+    w1_fig["decode_steps_seconds"] = round(sum(dt for _, _, dt in w1["decode_steps"]), 3)
+    w1_fig["num_requests"], w1_fig["max_num_seqs"] = args.w1_requests, args.w1_max_seqs
+    w1_fig["num_preemptions"] = engine.policy.num_preemptions
+    suite.save("w1", w1_fig)
+    print(json.dumps({k: v for k, v in suite.record["phases"].items() if k != "kernels"}, indent=1, default=str)[:6000])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

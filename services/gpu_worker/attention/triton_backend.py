@@ -1,0 +1,34 @@
+"""The Triton attention backend of the CUDA path: KV write, split-K paged decode, paged extend/prefill."""
+from __future__ import annotations
+
+import torch
+
+from services.gpu_worker.attention.base import AttentionBackend, AttentionMetadata
+from services.gpu_worker.kernels.decode_attention import decode_attention, num_splits_for
+from services.gpu_worker.kernels.extend_attention import extend_attention
+from services.gpu_worker.kernels.kv_write import kv_write
+from services.gpu_worker.kv_cache import KVCache
+
+
+class TritonAttention(AttentionBackend):
+    """Decode-only steps run the split-K decode kernel; any step with a prefill chunk runs the extend kernel.
+
+    NOTE: the decode split count depends on the batch size alone (never on host-side lengths), so a
+    captured CUDA graph stays valid for every sequence length.
+    """
+
+    name = "triton"
+
+    def __init__(self, num_sms: int | None = None) -> None:
+        self.num_sms = num_sms or (torch.cuda.get_device_properties(0).multi_processor_count
+                                   if torch.cuda.is_available() else 1)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        k_cache, v_cache = cache.k[layer], cache.v[layer]  # [P, S, KVH, D]
+        kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_decode_only:
+            num_splits = num_splits_for(q.shape[0], k.shape[1], self.num_sms)
+            return decode_attention(q, k_cache, v_cache, meta.page_table, meta.seq_lens, num_splits)
+        return extend_attention(q, k_cache, v_cache, meta.query_start, meta.seq_lens, meta.page_table,
+                                meta.max_query_len)

@@ -1,0 +1,106 @@
+"""Prefill/extend attention: each sequence's new tokens attend causally to its whole paged KV (cached prefix
+plus the new tokens, which the caller has already written into the cache), variable lengths in one launch.
+
+    seq b:  |<---- cached prefix ---->|<-- q_len new -->|
+            0                 seq_len - q_len        seq_len
+
+Grid (cdiv(max_query_len, BLOCK_M), B, H): one program, BLOCK_M new tokens of one query head.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, qstart_ptr, seq_lens_ptr, table_ptr, sm_scale,
+                   stride_qt, stride_qh, stride_ot, stride_oh, stride_cs, stride_ch, stride_tb,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    m_block = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    kvh = h // GROUP
+    q_start = tl.load(qstart_ptr + b)
+    q_len = tl.load(qstart_ptr + b + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + b)
+    prefix = seq_len - q_len
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_mask = offs_m < q_len
+    q_rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                mask=m_mask[:, None], other=0.0)  # [BLOCK_M, D]
+    q_pos = prefix + offs_m  # [BLOCK_M]
+    end = tl.minimum(seq_len, prefix + (m_block + 1) * BLOCK_M)
+    end = tl.where(m_block * BLOCK_M < q_len, end, 0)  # this block holds no query: no work
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    qk_scale = sm_scale * 1.4426950408889634
+    for n0 in range(0, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        page = tl.load(table_ptr + b * stride_tb + offs_n // PAGE_SIZE, mask=n_mask, other=0)
+        slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
+        kv_off = slot[:, None] * stride_cs + kvh * stride_ch + offs_d[None, :]
+        k = tl.load(k_ptr + kv_off, mask=n_mask[:, None], other=0.0)  # [BLOCK_N, D]
+        v = tl.load(v_ptr + kv_off, mask=n_mask[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N]
+        allowed = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padded query rows see no key
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+
+
+def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start: torch.Tensor,
+                     seq_lens: torch.Tensor, page_table: torch.Tensor, max_query_len: int,
+                     block_m: int = 64, block_n: int = 64) -> torch.Tensor:
+    """q: [T, H, D]; caches [P, S, KVH, D] already holding the new K/V; query_start: [B+1]; seq_lens: [B];
+    page_table: [B, max_pages] → out [T, H, D]."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    out = torch.empty_like(q)
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0:
+        return out
+    assert q.stride(2) == 1 and k_cache.is_contiguous() and v_cache.stride() == k_cache.stride()
+    grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
+    _extend_kernel[grid](
+        q, k_cache, v_cache, out, query_start, seq_lens, page_table, 1.0 / math.sqrt(head_dim),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(1), k_cache.stride(2),
+        page_table.stride(0), GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=2)
+    return out
+
+
+def extend_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start: torch.Tensor,
+                         seq_lens: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
+    """fp32 causal attention per sequence over its gathered pages."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    out = torch.empty_like(q)
+    for b in range(seq_lens.shape[0]):
+        start, end, seq_len = int(query_start[b]), int(query_start[b + 1]), int(seq_lens[b])
+        pages = page_table[b, : -(-seq_len // page_size)].long()
+        k = k_cache[pages].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        v = v_cache[pages].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [L, H, D]
+        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [n, L]
+        scores = torch.einsum("nhd,lhd->hnl", q[start:end].float(), k) / math.sqrt(head_dim)
+        probs = scores.masked_fill(~mask[None], float("-inf")).softmax(-1)
+        out[start:end] = torch.einsum("hnl,lhd->nhd", probs, v).to(q.dtype)
+    return out

@@ -1,0 +1,75 @@
+"""CUDA IPC backend: a GPU prefill worker shares its KV pool's storages through torch's CUDA IPC handles;
+a decode worker on the same host opens them once and gathers pages device to device on its own stream.
+
+Only the handle conversion is exercised on CPU machines; the copy path runs on the GPU test machine.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from services.gpu_worker.kv_cache import KVCache
+from services.gpu_worker.kv_transfer.base import DTYPES, TransferError, check_compatible, copy_into, page_shape
+from shared.messages import CudaIpcHandle, KVSource
+
+
+def handle_from_share(shared: tuple) -> CudaIpcHandle:
+    """`UntypedStorage._share_cuda_()`'s 8-tuple as its wire form."""
+    device, handle, size, offset, ref_handle, ref_offset, event, event_sync = shared
+    return CudaIpcHandle(int(device), bytes(handle), int(size), int(offset), bytes(ref_handle), int(ref_offset),
+                         bytes(event), bool(event_sync))
+
+
+def share_args(handle: CudaIpcHandle) -> tuple:
+    """The wire form back as `UntypedStorage._new_shared_cuda`'s arguments."""
+    return (handle.device, handle.handle, handle.size_bytes, handle.offset_bytes, handle.ref_counter_handle,
+            handle.ref_counter_offset, handle.event_handle, handle.event_sync_required)
+
+
+def export_handles(kv: KVCache) -> tuple[CudaIpcHandle, CudaIpcHandle]:
+    """Handles of the pool's K and V storages (the exporting process must keep kv alive)."""
+    if kv.k.device.type != "cuda":
+        raise ValueError("CUDA IPC needs a cuda KV cache")
+    return (handle_from_share(kv.k.untyped_storage()._share_cuda_()),
+            handle_from_share(kv.v.untyped_storage()._share_cuda_()))
+
+
+def open_pool(source: KVSource, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The source pool's K and V as tensors of this process, over the shared device memory."""
+    if source.cuda_k is None or source.cuda_v is None:
+        raise TransferError("the source offers no CUDA IPC handles")
+    shape = page_shape(source)
+    dtype = DTYPES[source.dtype]
+    tensors = []
+    for handle in (source.cuda_k, source.cuda_v):
+        storage = torch.UntypedStorage._new_shared_cuda(*share_args(handle))
+        tensors.append(torch.empty(0, dtype=dtype, device=device).set_(storage, 0, shape))
+    return tensors[0], tensors[1]
+
+
+class CudaIpcPuller:
+    """Opens each source pool once; copies on a side stream so the engine's compute stream keeps going."""
+
+    def __init__(self) -> None:
+        self._pools: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._streams: dict[int, torch.cuda.Stream] = {}
+        self._lock = threading.Lock()
+
+    def pull(self, source: KVSource, lease_id: str, src_page_ids: list[int], dst_page_ids: list[int],
+             kv: KVCache) -> int:
+        check_compatible(source, kv)
+        device = kv.k.device
+        with self._lock:
+            key = source.cuda_k.handle if source.cuda_k is not None else b""
+            if key not in self._pools:
+                self._pools[key] = open_pool(source, device)
+            k_src, v_src = self._pools[key]
+            stream = self._streams.setdefault(device.index or 0, torch.cuda.Stream(device))
+        with torch.cuda.stream(stream):
+            index = torch.tensor(src_page_ids, dtype=torch.long, device=device)
+            k = k_src.index_select(1, index)  # [L, n, S, KVH, D]
+            v = v_src.index_select(1, index)
+            copy_into(kv, dst_page_ids, k, v)
+        stream.synchronize()
+        return 2 * k.numel() * k.element_size()
