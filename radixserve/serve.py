@@ -33,22 +33,30 @@ class Suite:
     def first_dead(self) -> Child | None:
         return next((c for c in self.children if c.process and c.process.poll() is not None), None)
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        for child in reversed(self.children):
-            if child.process and child.process.poll() is None:
-                child.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for child in self.children:
-            if child.process is None:
-                continue
-            try:
-                child.process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.process.kill()
-                child.process.wait()
+    def stop(self, timeout_s: float = 10.0, drain_timeout_s: float = 0.0) -> None:
+        """SIGTERM the gateway first and give it drain_timeout_s to finish in-flight requests (which need every
+        other service), then the rest; a child still running timeout_s later is killed."""
+        gateways = [c for c in self.children if c.name == "gateway"]
+        _terminate(gateways, drain_timeout_s + timeout_s)
+        _terminate([c for c in reversed(self.children) if c not in gateways], timeout_s)
         if self.redis is not None:
             self.redis.shutdown()
             self.redis = None
+
+
+def _terminate(children: list[Child], timeout_s: float) -> None:
+    for child in children:
+        if child.process and child.process.poll() is None:
+            child.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for child in children:
+        if child.process is None:
+            continue
+        try:
+            child.process.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.process.kill()
+            child.process.wait()
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,7 +75,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-cache", action="store_true", help="turn the radix prefix cache off")
     parser.add_argument("--routing", default="cache_aware", choices=["cache_aware", "least_load", "round_robin"],
                         help="how the scheduler picks a worker for each request")
+    parser.add_argument("--pd", default="", metavar="P:D",
+                        help="prefill/decode disaggregation: P prefill + D decode workers (replaces --workers)")
+    parser.add_argument("--pd-policy", default="auto", choices=["auto", "always", "never"],
+                        help="with --pd: split every request (always), none (never), or long uncached ones (auto)")
+    parser.add_argument("--pd-min-prefill-tokens", type=int, default=256,
+                        help="--pd-policy auto: split when the decode worker would prefill at least this many tokens")
+    parser.add_argument("--kv-transfer", default="auto", choices=["auto", "shm", "cuda_ipc", "stream"],
+                        help="with --pd: how decode workers pull KV pages (auto: by placement)")
     parser.add_argument("--api-key", action="append", default=[], help="require this API key (repeatable)")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="on SIGTERM, seconds in-flight requests may take to finish before everything stops")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the first worker")
 
 
@@ -84,25 +102,50 @@ def build_suite(args: argparse.Namespace, run_dir: Path) -> Suite:
                                                 "--redis-url", redis_url]))
     suite.children.append(Child("scheduler", ["services.scheduler", "--scheduler-addr", sched,
                                               "--redis-url", redis_url, "--cache-index-addr", index,
-                                              "--routing", args.routing]))
-    for i in range(args.workers):
-        argv = ["services.gpu_worker", "--worker-id", f"worker{i}", "--worker-addr", ipc(f"worker{i}"),
+                                              "--routing", args.routing, "--pd-policy", args.pd_policy,
+                                              "--pd-min-prefill-tokens", str(args.pd_min_prefill_tokens)]))
+    for i, (name, role) in enumerate(worker_roles(args)):
+        argv = ["services.gpu_worker", "--worker-id", name, "--worker-addr", ipc(name),
                 "--scheduler-addrs", sched, "--cache-index-addr", index, "--model", args.model,
                 "--device", _worker_device(args.device, i), "--dtype", args.dtype,
                 "--num-pages", str(args.num_pages), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                 "--max-num-seqs", str(args.max_num_seqs),
                 "--enable-prefix-cache", "false" if args.no_prefix_cache else "true"]
-        suite.children.append(Child(f"worker{i}", argv))
+        if role != "mixed":
+            argv += ["--role", role, "--kv-transfer", args.kv_transfer, "--transfer-addr", ipc(f"{name}-kv")]
+        suite.children.append(Child(name, argv))
     for i, (addr, stream) in enumerate(toks):
         suite.children.append(Child(f"tokenizer{i}", ["services.tokenizer", "--model", args.model,
                                                        "--tokenizer-addr", addr, "--stream-addr", stream,
                                                        "--scheduler-addrs", sched]))
     gateway = ["services.gateway", "--host", args.host, "--port", str(args.port),
                "--tokenizer-addrs", ",".join(a for a, _ in toks), "--scheduler-addrs", sched]
+    gateway += ["--drain-timeout-s", str(args.drain_timeout)]
     if args.api_key:
         gateway += ["--api-keys", ",".join(args.api_key)]
     suite.children.append(Child("gateway", gateway))
     return suite
+
+
+def worker_roles(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(name, role) of each worker: --workers mixed ones, or with --pd P:D P prefill then D decode ones."""
+    if not getattr(args, "pd", ""):
+        return [(f"worker{i}", "mixed") for i in range(args.workers)]
+    try:
+        num_prefill, num_decode = (int(x) for x in args.pd.split(":"))
+    except ValueError:
+        raise ValueError(f"--pd takes P:D (e.g. 1:1), not {args.pd!r}") from None
+    if num_prefill < 1 or num_decode < 1:
+        raise ValueError("--pd needs at least one prefill and one decode worker")
+    return ([(f"prefill{i}", "prefill") for i in range(num_prefill)]
+            + [(f"decode{i}", "decode") for i in range(num_decode)])
+
+
+def _describe(workers: list[tuple[str, str]]) -> str:
+    roles = [role for _, role in workers]
+    if "prefill" not in roles:
+        return f"{len(roles)} worker(s)"
+    return f"PD: {roles.count('prefill')} prefill + {roles.count('decode')} decode worker(s)"
 
 
 def _worker_device(device: str, index: int) -> str:
@@ -153,6 +196,11 @@ def _healthy(url: str) -> bool:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    try:
+        workers = worker_roles(args)
+    except ValueError as exc:
+        print(f"radixserve: {exc}", file=sys.stderr)
+        return 2
     run_dir = Path(tempfile.mkdtemp(prefix="radixserve-"))
     env = dict(os.environ, RADIXSERVE_LOG_JSON=os.environ.get("RADIXSERVE_LOG_JSON", "0"))
     suite = build_suite(args, run_dir)
@@ -168,7 +216,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         if not wait_ready(suite, url, args.ready_timeout, args.api_key):
             return 1
-        print(f"\nradixserve ready: {url}/v1  (model {args.model}, {args.workers} worker(s)); Ctrl-C stops",
+        print(f"\nradixserve ready: {url}/v1  (model {args.model}, {_describe(workers)}); Ctrl-C stops",
               file=sys.stderr, flush=True)
         while not stop["requested"]:
             dead = suite.first_dead()
@@ -179,5 +227,5 @@ def run_serve(args: argparse.Namespace) -> int:
             time.sleep(0.5)
         return 0
     finally:
-        suite.stop()
+        suite.stop(drain_timeout_s=args.drain_timeout)
         print("radixserve: stopped", file=sys.stderr)

@@ -25,6 +25,9 @@ class Actor:
     async def close(self) -> None:
         """Close sockets and flush state (override)."""
 
+    async def drain(self) -> None:
+        """After a stop signal, before any loop is cancelled: let in-flight work finish (override)."""
+
     def spawn(self, coro: Awaitable[None], name: str) -> None:
         task = asyncio.ensure_future(coro)
         task.set_name(name)
@@ -63,6 +66,7 @@ class Actor:
         log.info("started", service=self.name)
         try:
             await self._stopped.wait()
+            await self.drain()
         finally:
             for task in self._tasks:
                 task.cancel()

@@ -189,7 +189,7 @@ class WorkerHeartbeat(msgspec.Struct, frozen=True, tag=True):
     role: str  # "mixed" | "prefill" | "decode"
     page_size: int
     load: WorkerLoad
-    transfer: TransferStats | None = None  # PD counters (None before the first handoff)
+    transfer: TransferStats | None = None  # PD counters since start (None from workers before PD)
     version: int = PROTOCOL_VERSION
 
 
@@ -323,6 +323,18 @@ class KVReady(msgspec.Struct, frozen=True, tag=True):
     version: int = PROTOCOL_VERSION
 
 
+class HandoffAccepted(msgspec.Struct, frozen=True, tag=True):
+    """decode worker → schedulers: KVReady arrived; the request no longer depends on its prefill worker.
+
+    Until then the scheduler keeps the prefill leg open, so a prefill worker that dies before its KVReady
+    reached the decode worker fails the request cleanly instead of leaving it hanging.
+    """
+
+    request_id: str
+    worker_id: str
+    version: int = PROTOCOL_VERSION
+
+
 class ReleaseLease(msgspec.Struct, frozen=True, tag=True):
     """decode worker → prefill worker: done with this lease (pulled, aborted or failed); free its pages."""
 
@@ -362,7 +374,7 @@ GatewayInbound = GenerateChunk | GenerateError
 TokenizerInbound = GenerateRequest | AbortRequest
 TokenizerStreamInbound = TokenBatch | GenerateError
 SchedulerInbound = (TokenizedRequest | AbortRequest | WorkerHeartbeat | RequestFinished | WorkerGone
-                    | StatusRequest)
+                    | StatusRequest | HandoffAccepted)
 WorkerInbound = TokenizedRequest | AbortRequest | SnapshotRequest | PrefillRequest | KVReady | ReleaseLease
 TransferInbound = PagesRequest
 TransferReply = PagesChunk

@@ -89,9 +89,19 @@ class PushPool:
         self._sockets: dict[str, zmq.asyncio.Socket] = {}
 
     async def send(self, addr: str, msg: msgspec.Struct) -> None:
+        """Send msg to addr; an address ZeroMQ refuses (a peer's garbage reply_addr) drops msg, logged."""
         sock = self._sockets.get(addr)
         if sock is None:
-            sock = self._sockets[addr] = connect(zmq.PUSH, addr)
+            sock = _socket(zmq.PUSH)
+            try:
+                sock.setsockopt(zmq.SNDHWM, 100_000)
+                sock.connect(addr)
+            except zmq.ZMQError as exc:
+                sock.close(linger=0)
+                log.warning("dropped message to an invalid address", addr=addr[:200], error=str(exc)[:200],
+                            message=type(msg).__name__)
+                return
+            self._sockets[addr] = sock
         await send(sock, msg)
 
     def drop(self, addr: str) -> None:

@@ -190,7 +190,11 @@ def _plot(runs: list[dict[str, Any]], plot_dir: Path, stem: str, title: str) -> 
 
 def _compare(args: argparse.Namespace) -> int:
     runs = report.load_runs(args.compare)
+    if args.slo_ttft_ms is not None or args.slo_tpot_ms is not None:
+        runs = [report.with_slo(run, args.slo_ttft_ms, args.slo_tpot_ms) for run in runs]
     print(report.table(runs, with_ratios=True))
+    if len(runs) > 1:
+        print(report.answer(runs))
     if not args.no_plots:
         stem = args.name or "compare_" + "_vs_".join(Path(p).stem for p in args.compare)[:150]
         for run in runs:

@@ -138,3 +138,39 @@ def commit() -> str:
         except OSError:
             pass
     return "unknown"
+
+
+def with_slo(run: dict[str, Any], slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> dict[str, Any]:
+    """run with goodput re-counted from its stored requests under another SLO (the other figures stay)."""
+    from radixserve.bench.metrics import RequestRecord, meets_slo
+
+    names = set(RequestRecord.__dataclass_fields__)
+    records = [RequestRecord(**{k: v for k, v in r.items() if k in names}) for r in run.get("requests", [])]
+    num_good = sum(meets_slo(r, slo_ttft_ms, slo_tpot_ms) for r in records)
+    duration_s = run["figures"].get("duration_s") or 0.0
+    figures = {**run["figures"], "slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms, "num_good": num_good,
+               "goodput": num_good / duration_s if duration_s > 0 else None}
+    return {**run, "figures": figures}
+
+
+def answer(runs: list[dict[str, Any]]) -> str:
+    """Which deployment to choose: the highest goodput under the SLO the runs were scored with, or, without
+    an SLO, the highest output throughput; with the two tail latencies the seed asks about."""
+    def fig(run: dict[str, Any], path: str) -> float:
+        value = lookup(run["figures"], path)
+        return float(value) if isinstance(value, (int, float)) else float("nan")
+
+    has_slo = all(lookup(r["figures"], "goodput") is not None for r in runs)
+    key = "goodput" if has_slo else "output_tok_s"
+    best = max(runs, key=lambda r: (fig(r, key), -fig(r, "tpot.p99_ms")))
+    rows = "; ".join(f"{r['label']}: TTFT P90 {fig(r, 'ttft.p90_ms'):.0f} ms, TPOT P99 {fig(r, 'tpot.p99_ms'):.1f} ms, "
+                     f"{fig(r, 'output_tok_s'):.1f} out tok/s, goodput {_cell(lookup(r['figures'], 'goodput'), '.3f')}"
+                     for r in runs)
+    if has_slo:
+        f = best["figures"]
+        slo = " and ".join(s for s in (f"TTFT <= {f['slo_ttft_ms']:g} ms" if f.get("slo_ttft_ms") else "",
+                                       f"TPOT <= {f['slo_tpot_ms']:g} ms" if f.get("slo_tpot_ms") else "") if s)
+        why = f"highest goodput under {slo}"
+    else:
+        why = "highest output throughput (no SLO given: pass --slo-ttft-ms/--slo-tpot-ms to score goodput)"
+    return f"answer: choose {best['label']} ({why}). {rows}"

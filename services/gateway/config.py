@@ -22,6 +22,9 @@ class GatewayConfig:
     request_timeout_s: float = field(default=600.0, metadata=_help("end-to-end limit of one request"))
     max_concurrent_requests: int = field(default=1024, metadata=_help("generations in flight; beyond → 429"))
     default_chat_max_tokens: int = field(default=1024, metadata=_help("chat max_tokens when the body has none"))
+    drain_timeout_s: float = field(default=30.0, metadata=_help("on SIGTERM, seconds in-flight requests may take "
+                                                                "to finish (new ones get 503) before the gateway "
+                                                                "fails them and stops"))
     peer_timeout_s: float = field(default=2.0, metadata=_help("wait for a peer to take a message or answer status"))
     status_cache_s: float = field(default=0.5, metadata=_help("reuse a StatusReply this long"))
     log_level: str = field(default="info", metadata=_help("debug, info, warning or error"))

@@ -94,6 +94,9 @@ def parse_json_body(raw: bytes) -> Any:
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"We could not parse the JSON body of your request: {exc}",
                        code="invalid_json") from None
+    except RecursionError:  # NOTE: msgspec raises it for nesting deeper than the interpreter's recursion limit
+        raise ApiError(400, "We could not parse the JSON body of your request: it is nested too deeply.",
+                       code="invalid_json") from None
 
 
 def parse_chat_request(body: Any, *, request_id: str, model_ids: Collection[str], default_max_tokens: int,

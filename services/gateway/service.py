@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import math
 import os
@@ -16,6 +17,8 @@ import structlog
 import zmq
 import zmq.asyncio
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from services.gateway.config import GatewayConfig
 from services.gateway.metrics import GatewayMetrics
@@ -79,6 +82,7 @@ class Gateway(Actor):
         self._api_keys = [key.encode() for key in config.api_key_list]
         self._calls: dict[str, _Call] = {}
         self._num_in_flight = 0
+        self._is_draining = False
         self._status: StatusReply | None = None
         self._status_at = -math.inf
         self._status_poll: asyncio.Future[StatusReply] | None = None
@@ -106,6 +110,27 @@ class Gateway(Actor):
         for sock in (self._tokenizers, self._schedulers):
             if sock is not None:
                 sock.close(linger=0)
+
+    async def drain(self) -> None:
+        """Refuse new generations (503) and wait up to drain_timeout_s for those in flight; then fail and abort
+        what is left, so no client is left without an answer."""
+        self._is_draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.drain_timeout_s
+        log.info("draining", num_in_flight=self._num_in_flight, timeout_s=self.config.drain_timeout_s)
+        while self._num_in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if not self._calls:
+            return
+        log.warning("drain timeout; failing the requests left", num_requests=len(self._calls))
+        for call in list(self._calls.values()):
+            if call.is_sent and not call.is_ended:
+                await self._abort(call.request_id, "shutdown")
+            call.queue.put_nowait(GenerateError(call.request_id, 503, "server_error",
+                                                "The server shut down before the request finished."))
+        deadline = loop.time() + 2.0
+        while self._num_in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
 
     def build_app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes,
@@ -142,7 +167,7 @@ class Gateway(Actor):
 
     @web.middleware
     async def _auth_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if self._api_keys and request.path.startswith("/v1/"):
+        if self._api_keys and request.path != "/health":  # NOTE: /metrics and unknown paths too
             check_bearer(request.headers.get("Authorization"), self._api_keys)
         return await handler(request)
 
@@ -176,6 +201,8 @@ class Gateway(Actor):
         return json_response(self._model_card(model))
 
     async def health(self, request: web.Request) -> web.Response:
+        if self._is_draining:
+            raise ApiError(503, "The server is shutting down.", type="server_error", code="service_unavailable")
         status = await self._scheduler_status()
         if status is None:
             raise ApiError(503, "No scheduler answered a status request.", type="server_error",
@@ -191,6 +218,9 @@ class Gateway(Actor):
 
     async def _generate(self, request: web.Request, is_chat: bool) -> web.StreamResponse:
         started = time.monotonic()
+        if self._is_draining:
+            raise ApiError(503, "The server is shutting down; please retry on another replica.", type="server_error",
+                           code="service_unavailable", retry_after_s=1.0)
         if self._num_in_flight >= self.config.max_concurrent_requests:
             raise ApiError(429, "Too many concurrent requests; please retry shortly.", type="rate_limit_error",
                            code="rate_limit_exceeded", retry_after_s=1.0)
@@ -204,7 +234,12 @@ class Gateway(Actor):
             self.metrics.in_flight.dec()
 
     async def _parse(self, request: web.Request, is_chat: bool) -> ParsedRequest:
-        body = parse_json_body(await request.read())
+        try:
+            raw = await request.read()
+        except (RequestPayloadError, HttpProcessingError) as exc:  # e.g. a body that is not the gzip it claims
+            raise ApiError(400, f"We could not read the body of your request: {str(exc).strip()[:200]}",
+                           code="invalid_body") from None
+        body = parse_json_body(raw)
         model_ids = await self._model_ids(allow_empty=False)
         deadline_s = time.time() + self.config.request_timeout_s
         if is_chat:
@@ -360,8 +395,9 @@ def check_bearer(header: str | None, api_keys: list[bytes]) -> None:
         raise ApiError(401, "You didn't provide an API key. You need to provide your API key in an "
                             "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).",
                        code="missing_api_key")
-    given = token.strip().encode()
-    if not any([hmac.compare_digest(given, key) for key in api_keys]):
+    # NOTE: both sides hashed to 32 bytes, so the comparison's time depends on neither key's length or bytes.
+    given = hashlib.sha256(token.strip().encode("utf-8", "surrogateescape")).digest()
+    if not any([hmac.compare_digest(given, hashlib.sha256(key).digest()) for key in api_keys]):
         raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
 
 

@@ -22,7 +22,7 @@ from services.gpu_worker.engine import Engine
 from services.gpu_worker.handoff import HandoffSettings, Handoffs, ImportDoneCommand
 from services.gpu_worker.kv_transfer.base import default_host_id
 from services.gpu_worker.request import SamplingParams, TokenOutput
-from shared.messages import (CacheSnapshot, GenerateError, KVEventBatch, KVReady, PrefillRequest, ReleaseLease,
+from shared.messages import (CacheSnapshot, GenerateError, HandoffAccepted, KVEventBatch, KVReady, PrefillRequest, ReleaseLease,
                              RequestFinished, SamplingSpec, TokenBatch, TokenizedRequest, TokenLogprobEntry,
                              TokenOutputs, TransferStats, WorkerLoad)
 
@@ -210,8 +210,9 @@ class EngineLoop:
                 return self._abort(command.request_id)
             if isinstance(command, SnapshotCommand):
                 return self._snapshot(command.reply_addr)
-            if isinstance(command, PrefillCommand):
-                return self._add(command.prefill.request, command.prefill)
+            if isinstance(command, PrefillCommand):  # a worker that exports no pool runs the request whole
+                prefill = command.prefill if self.handoffs.settings.source is not None else None
+                return self._add(command.prefill.request, prefill)
             if isinstance(command, KVReadyCommand):
                 return self._import(command.ready)
             if isinstance(command, ImportDoneCommand):
@@ -222,8 +223,10 @@ class EngineLoop:
         except Exception:  # noqa: BLE001 - an engine bug fails the work in flight, not the worker
             log.exception("engine command failed", command=type(command).__name__)
             envelopes = self._fail_all(500, "server_error", "the worker's engine failed")
-            if isinstance(command, AddCommand):
-                envelopes += self._reject(command.request, 500, "server_error", "the worker's engine failed")
+            if isinstance(command, (AddCommand, PrefillCommand, KVReadyCommand)):
+                request = (command.request if isinstance(command, AddCommand) else
+                           command.prefill.request if isinstance(command, PrefillCommand) else command.ready.request)
+                envelopes += self._reject(request, 500, "server_error", "the worker's engine failed")
             return envelopes
         return []
 
@@ -257,7 +260,7 @@ class EngineLoop:
             return [Envelope(*self.handoffs.release_lease_of(ready)),
                     *self._reject(request, 400, "invalid_request_error", str(exc))]
         self._in_flight[request.request_id] = InFlight(request.reply_addr, 1, len(request.prompt_token_ids))
-        return envelopes
+        return [Envelope(None, HandoffAccepted(request.request_id, self.identity.worker_id)), *envelopes]
 
     def _reject(self, request: TokenizedRequest, status: int, code: str, message: str) -> list[Envelope]:
         log.info("request rejected", request_id=request.request_id, status=status, reason=message)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.scheduler.pairing import PD_POLICIES
 from services.scheduler.policy import POLICIES, CostWeights
 
 
@@ -15,9 +16,12 @@ class SchedulerConfig:
     redis_url: str = field(default="", metadata={"help": "Redis of the global prefix index (empty: no lookups)"})
     cache_index_addr: str = field(default="",
                                   metadata={"help": "cache_index PULL address told of dead workers (empty: none)"})
-    max_queue: int = field(default=1024, metadata={"help": "requests held while no worker is up (beyond: 429)"})
+    max_queue: int = field(default=1024, metadata={"help": "requests held while no worker can take one (beyond: 429)"})
     max_queue_wait_s: float = field(default=30.0,
                                     metadata={"help": "longest a request waits for a worker (then 503)"})
+    max_requests_per_worker: int = field(
+        default=512, metadata={"help": "requests in flight on one worker; beyond, requests wait in the queue (0: no "
+                                       "limit)"})
     heartbeat_timeout_s: float = field(default=3.0,
                                        metadata={"help": "a worker silent this long is dead (its requests get 503)"})
     routing: str = field(default="cache_aware", metadata={"help": "routing policy: " + ", ".join(POLICIES)})
@@ -35,6 +39,11 @@ class SchedulerConfig:
     redis_timeout_s: float = field(default=0.05, metadata={"help": "longest a prefix lookup may take"})
     redis_retry_s: float = field(default=5.0,
                                  metadata={"help": "after a Redis error, seconds of load-only routing before retrying"})
+    pd_policy: str = field(default="auto", metadata={"help": "with prefill workers up: " + ", ".join(PD_POLICIES)
+                                                             + " (auto: split only long uncached prompts)"})
+    pd_min_prefill_tokens: int = field(
+        default=256, metadata={"help": "pd auto: split a request when its decode/mixed worker would prefill at "
+                                       "least this many uncached tokens"})
     metrics_host: str = field(default="0.0.0.0", metadata={"help": "bind host of the /metrics endpoint"})
     metrics_port: int = field(default=0, metadata={"help": "HTTP port of Prometheus /metrics (0: off)"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
@@ -42,10 +51,14 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.routing not in POLICIES:
             raise ValueError(f"routing must be one of {', '.join(POLICIES)}, not {self.routing!r}")
-        if self.max_queue < 0:
-            raise ValueError("max_queue must be >= 0")
+        if self.max_queue < 0 or self.max_requests_per_worker < 0:
+            raise ValueError("max_queue and max_requests_per_worker must be >= 0")
         if min(self.heartbeat_timeout_s, self.max_queue_wait_s, self.redis_timeout_s, self.redis_retry_s) <= 0:
             raise ValueError("heartbeat_timeout_s, max_queue_wait_s, redis_timeout_s, redis_retry_s must be > 0")
+        if self.pd_policy not in PD_POLICIES:
+            raise ValueError(f"pd_policy must be one of {', '.join(PD_POLICIES)}, not {self.pd_policy!r}")
+        if self.pd_min_prefill_tokens < 0:
+            raise ValueError("pd_min_prefill_tokens must be >= 0")
         if self.max_imbalance_ratio < 1 or self.max_imbalance_requests < 0:
             raise ValueError("max_imbalance_ratio must be >= 1 and max_imbalance_requests >= 0")
         if min(self.route_request_tokens, self.route_kv_tokens, self.pending_ttl_s) < 0:

@@ -76,15 +76,16 @@ class RoutingPolicy(Protocol):
         ...
 
 
-def is_eligible(worker: WorkerInfo, request: RouteRequest, heartbeat_timeout_s: float) -> bool:
-    """Alive, of a routable role, and serving the request's model (when it names one)."""
-    return (worker.is_alive(request.now_s, heartbeat_timeout_s) and worker.role in ROUTABLE_ROLES
+def is_eligible(worker: WorkerInfo, request: RouteRequest, heartbeat_timeout_s: float,
+                roles: tuple[str, ...] = ROUTABLE_ROLES) -> bool:
+    """Alive, of one of roles, and serving the request's model (when it names one)."""
+    return (worker.is_alive(request.now_s, heartbeat_timeout_s) and worker.role in roles
             and (request.model_id is None or worker.model_id == request.model_id))
 
 
 def eligible_candidates(candidates: Sequence[Candidate], request: RouteRequest,
-                        heartbeat_timeout_s: float) -> list[Candidate]:
-    return [c for c in candidates if is_eligible(c.worker, request, heartbeat_timeout_s)]
+                        heartbeat_timeout_s: float, roles: tuple[str, ...] = ROUTABLE_ROLES) -> list[Candidate]:
+    return [c for c in candidates if is_eligible(c.worker, request, heartbeat_timeout_s, roles)]
 
 
 def _decision(candidate: Candidate, reason: Reason, request: RouteRequest) -> Decision:
@@ -96,9 +97,10 @@ class LeastLoadPolicy:
     """Fewest running+waiting requests, then most free KV pages, then the smallest worker id."""
 
     heartbeat_timeout_s: float
+    roles: tuple[str, ...] = ROUTABLE_ROLES
 
     def choose(self, candidates: Sequence[Candidate], request: RouteRequest) -> Decision | None:
-        eligible = eligible_candidates(candidates, request, self.heartbeat_timeout_s)
+        eligible = eligible_candidates(candidates, request, self.heartbeat_timeout_s, self.roles)
         if not eligible:
             return None
         return _decision(min(eligible, key=Candidate.load_key), Reason.LOAD, request)
@@ -107,12 +109,13 @@ class LeastLoadPolicy:
 class RoundRobinPolicy:
     """The eligible workers in id order, one after another (the baseline that ignores load and prefixes)."""
 
-    def __init__(self, heartbeat_timeout_s: float) -> None:
+    def __init__(self, heartbeat_timeout_s: float, roles: tuple[str, ...] = ROUTABLE_ROLES) -> None:
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.roles = roles
         self._num_routed = 0
 
     def choose(self, candidates: Sequence[Candidate], request: RouteRequest) -> Decision | None:
-        eligible = sorted(eligible_candidates(candidates, request, self.heartbeat_timeout_s),
+        eligible = sorted(eligible_candidates(candidates, request, self.heartbeat_timeout_s, self.roles),
                           key=lambda c: c.worker_id)
         if not eligible:
             return None
@@ -146,6 +149,7 @@ class CacheAwarePolicy:
 
     heartbeat_timeout_s: float
     weights: CostWeights = CostWeights()
+    roles: tuple[str, ...] = ROUTABLE_ROLES
 
     def cost_tokens(self, candidate: Candidate, request: RouteRequest) -> float:
         num_cached_blocks = request.num_cached_blocks.get(candidate.worker_id, 0)
@@ -156,7 +160,7 @@ class CacheAwarePolicy:
         return request.num_prompt_tokens - num_cached_tokens + load_tokens
 
     def choose(self, candidates: Sequence[Candidate], request: RouteRequest) -> Decision | None:
-        eligible = eligible_candidates(candidates, request, self.heartbeat_timeout_s)
+        eligible = eligible_candidates(candidates, request, self.heartbeat_timeout_s, self.roles)
         if not eligible:
             return None
         min_num_active = min(c.num_active for c in eligible)
@@ -173,11 +177,13 @@ class CacheAwarePolicy:
 POLICIES = ("cache_aware", "least_load", "round_robin")
 
 
-def make_policy(name: str, heartbeat_timeout_s: float, weights: CostWeights = CostWeights()) -> RoutingPolicy:
+def make_policy(name: str, heartbeat_timeout_s: float, weights: CostWeights = CostWeights(),
+                roles: tuple[str, ...] = ROUTABLE_ROLES) -> RoutingPolicy:
+    """The named policy over workers of these roles (default: mixed workers only)."""
     if name == "cache_aware":
-        return CacheAwarePolicy(heartbeat_timeout_s, weights)
+        return CacheAwarePolicy(heartbeat_timeout_s, weights, roles)
     if name == "least_load":
-        return LeastLoadPolicy(heartbeat_timeout_s)
+        return LeastLoadPolicy(heartbeat_timeout_s, roles)
     if name == "round_robin":
-        return RoundRobinPolicy(heartbeat_timeout_s)
+        return RoundRobinPolicy(heartbeat_timeout_s, roles)
     raise ValueError(f"unknown routing policy {name!r}; one of {', '.join(POLICIES)}")

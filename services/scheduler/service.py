@@ -15,16 +15,18 @@ import zmq
 import zmq.asyncio
 
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.inflight import InFlightTable
+from services.scheduler.inflight import InFlight, InFlightTable
 from services.scheduler.metrics import SchedulerMetrics, serve_metrics
 from services.scheduler.pending import PendingPrefixes, merge_prefixes
-from services.scheduler.policy import Candidate, Decision, Reason, RouteRequest, make_policy
+from services.scheduler.pairing import LOCAL_ROLES, Pairing, make_pairing
+from services.scheduler.policy import Candidate, Reason, RouteRequest, make_policy
 from services.scheduler.registry import HeartbeatKind, Registry
 from services.scheduler.waiting_queue import WaitingQueue
 from shared import redis_index, transport
 from shared.actor import Actor
-from shared.messages import (AbortRequest, GenerateError, RequestFinished, SchedulerInbound, StatusReply,
-                             StatusRequest, TokenizedRequest, WorkerGone, WorkerHeartbeat)
+from shared.messages import (AbortRequest, GenerateError, HandoffAccepted, PrefillRequest, RequestFinished,
+                             SchedulerInbound, StatusReply, StatusRequest, TokenizedRequest, WorkerGone,
+                             WorkerHeartbeat)
 
 log = structlog.get_logger(__name__)
 
@@ -42,7 +44,9 @@ class SchedulerService(Actor):
         self.registry = Registry()
         self.inflight = InFlightTable()
         self.queue = WaitingQueue(config.max_queue)
-        self.policy = make_policy(config.routing, config.heartbeat_timeout_s, config.cost_weights)
+        self.policy = make_policy(config.routing, config.heartbeat_timeout_s, config.cost_weights, LOCAL_ROLES)
+        self.pairing = make_pairing(config.pd_policy, self.policy, config.heartbeat_timeout_s, config.cost_weights,
+                                    config.pd_min_prefill_tokens)
         self.pending = PendingPrefixes(config.pending_ttl_s)
         self.metrics = SchedulerMetrics(config.routing)
         self.metrics.gauge("radixserve_scheduler_workers", "live workers known", lambda: len(self.registry))
@@ -57,7 +61,8 @@ class SchedulerService(Actor):
         self._redis_paused_until_s = 0.0  # monotonic; lookups skipped before it (after an error)
         self._handlers = {TokenizedRequest: self._on_request, AbortRequest: self._on_abort,
                           WorkerHeartbeat: self._on_heartbeat, RequestFinished: self._on_finished,
-                          WorkerGone: self._on_worker_gone, StatusRequest: self._on_status}
+                          WorkerGone: self._on_worker_gone, StatusRequest: self._on_status,
+                          HandoffAccepted: self._on_handoff_accepted}
 
     async def start(self) -> None:
         self._router = transport.bind(zmq.ROUTER, self.config.scheduler_addr)
@@ -93,16 +98,24 @@ class SchedulerService(Actor):
         """Send request to the policy's worker and record it in flight; False if no worker may take it."""
         if not len(self.registry):
             return False
-        decision = await self._decide(request)
-        if decision is None:
+        pairing = await self._decide(request)
+        if pairing is None:
             return False
-        self.inflight.add(request.request_id, decision.worker_id, request.reply_addr)
-        self.pending.add(request.block_hashes, decision.worker_id, time.monotonic())
-        self.metrics.on_routed(decision, len(request.block_hashes))
-        await self._pushes.send(self.registry.get(decision.worker_id).addr, request)
+        decode, prefill = pairing.decode, pairing.prefill
+        self.inflight.add(request.request_id, decode.worker_id, request.reply_addr,
+                          prefill.worker_id if prefill is not None else None)
+        self.pending.add(request.block_hashes, decode.worker_id, time.monotonic())
+        self.metrics.on_routed(prefill or decode, len(request.block_hashes))
+        decode_addr = self.registry.get(decode.worker_id).addr
+        if prefill is None:
+            await self._pushes.send(decode_addr, request)
+        else:
+            self.pending.add(request.block_hashes, prefill.worker_id, time.monotonic())
+            await self._pushes.send(self.registry.get(prefill.worker_id).addr,
+                                    PrefillRequest(request, decode.worker_id, decode_addr))
         return True
 
-    async def _decide(self, request: TokenizedRequest) -> Decision | None:
+    async def _decide(self, request: TokenizedRequest) -> Pairing | None:
         """The policy's choice over every known worker, given the prefix each holds; logged with its reason."""
         cached = await self._lookup_prefix(request)
         now_s = time.monotonic()
@@ -110,15 +123,18 @@ class SchedulerService(Actor):
             cached = merge_prefixes(cached, self.pending.longest_prefix(request.block_hashes, now_s))
         route = RouteRequest(request.request_id, len(request.prompt_token_ids), len(request.block_hashes),
                              now_s, model_id=request.model_id or None, num_cached_blocks=cached or {})
-        candidates = [Candidate(w, self.inflight.count(w.worker_id)) for w in self.registry.workers()]
-        decision = self.policy.choose(candidates, route)
-        if decision is not None and cached is None:
-            decision = dataclasses.replace(decision, reason=Reason.FALLBACK)
-        if decision is not None:
-            log.debug("routed", request_id=request.request_id, worker_id=decision.worker_id,
-                      policy=self.config.routing, reason=decision.reason.value, num_blocks=len(request.block_hashes),
-                      num_cached_blocks=route.num_cached_blocks)
-        return decision
+        limit = self.config.max_requests_per_worker
+        candidates = [Candidate(w, self.inflight.count(w.worker_id)) for w in self.registry.workers()
+                      if not limit or self.inflight.count(w.worker_id) < limit]  # full workers: queue instead
+        pairing = self.pairing.choose(candidates, route, request.sampling.n)
+        if pairing is not None and cached is None:
+            pairing = dataclasses.replace(pairing, decode=dataclasses.replace(pairing.decode, reason=Reason.FALLBACK))
+        if pairing is not None:
+            log.debug("routed", request_id=request.request_id, worker_id=pairing.decode.worker_id,
+                      prefill_worker_id=pairing.prefill.worker_id if pairing.prefill else None,
+                      pd=pairing.reason.value, policy=self.config.routing, reason=pairing.decode.reason.value,
+                      num_blocks=len(request.block_hashes), num_cached_blocks=route.num_cached_blocks)
+        return pairing
 
     async def _lookup_prefix(self, request: TokenizedRequest) -> dict[str, int] | None:
         """{worker_id: cached prefix blocks} from the global index ({} without Redis or block hashes);
@@ -164,9 +180,16 @@ class SchedulerService(Actor):
         if self.queue.remove(msg.request_id):
             return
         entry = self.inflight.pop(msg.request_id)
-        worker = self.registry.get(entry.worker_id) if entry is not None else None
-        if worker is not None:
-            await self._pushes.send(worker.addr, msg)
+        if entry is not None:
+            await self._abort_legs(entry, msg)
+
+    async def _abort_legs(self, entry: InFlight, msg: AbortRequest, except_worker_id: str | None = None) -> None:
+        """Tell each live worker holding a leg of the request to stop it (both, for a PD request: the
+        prefill side may hold its pages under a lease)."""
+        for worker_id in dict.fromkeys((entry.worker_id, entry.prefill_worker_id)):
+            worker = self.registry.get(worker_id) if worker_id and worker_id != except_worker_id else None
+            if worker is not None:
+                await self._pushes.send(worker.addr, msg)
 
     async def _on_heartbeat(self, hb: WorkerHeartbeat, identity: bytes | None) -> None:
         kind, old = self.registry.on_heartbeat(hb, time.monotonic())
@@ -181,8 +204,21 @@ class SchedulerService(Actor):
 
     async def _on_finished(self, msg: RequestFinished, identity: bytes | None) -> None:
         entry = self.inflight.get(msg.request_id)
-        if entry is not None and entry.worker_id == msg.worker_id:
+        if entry is None:
+            return
+        if entry.worker_id == msg.worker_id:
             self.inflight.pop(msg.request_id)
+        elif entry.prefill_worker_id == msg.worker_id and not msg.handed_off:
+            self.inflight.pop(msg.request_id)  # the prefill side ended it itself (its first token was the last)
+        else:
+            return  # NOTE: a handoff closes the prefill leg only when the decode side accepts it
+        if len(self.queue):
+            await self._drain()  # a worker seat is free again
+
+    async def _on_handoff_accepted(self, msg: HandoffAccepted, identity: bytes | None) -> None:
+        entry = self.inflight.get(msg.request_id)
+        if entry is not None and entry.worker_id == msg.worker_id:
+            self.inflight.close_prefill(msg.request_id)
 
     async def _on_worker_gone(self, msg: WorkerGone, identity: bytes | None) -> None:
         worker = self.registry.remove(msg.worker_id)
@@ -207,11 +243,18 @@ class SchedulerService(Actor):
             if self.config.cache_index_addr:
                 await self._pushes.send(self.config.cache_index_addr, WorkerGone(worker.worker_id))
         for waiting in self.queue.pop_expired(time.time()):
-            await self._fail(waiting.request.request_id, waiting.request.reply_addr, 503, "no worker available")
+            request = waiting.request
+            if request.deadline_s is not None and waiting.deadline_s >= request.deadline_s:
+                await self._fail(request.request_id, request.reply_addr, 504,
+                                 "the request's deadline passed while it waited for a worker")
+            else:
+                await self._fail(request.request_id, request.reply_addr, 503,
+                                 f"no worker could take the request within {self.config.max_queue_wait_s:g} s")
 
     async def _fail_worker_requests(self, worker_id: str, reason: str) -> None:
         for entry in self.inflight.pop_worker(worker_id):
             await self._fail(entry.request_id, entry.reply_addr, 503, reason)
+            await self._abort_legs(entry, AbortRequest(entry.request_id, reason), except_worker_id=worker_id)
 
     async def _fail(self, request_id: str, reply_addr: str, status: int, message: str, code: str = "server_error",
                     retry_after_s: float | None = None) -> None:

@@ -17,6 +17,7 @@ class TokenizerConfig:
                                  metadata={"help": "comma-separated scheduler ROUTER addresses"})
     page_size: int = field(default=16, metadata={"help": "tokens per KV page (block hash granularity)"})
     max_prompt_tokens: int = field(default=8192, metadata={"help": "longer prompts are refused with 400"})
+    max_requests: int = field(default=4096, metadata={"help": "requests in flight here; beyond, 429"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
 
     @property

@@ -109,6 +109,12 @@ class TokenizerService(Actor):
         if req.request_id in self.requests:
             await self._reply_error(gateway, req.request_id, PromptError("duplicate request_id in flight"))
             return
+        if len(self.requests) >= self.config.max_requests:
+            await send(self.router, GenerateError(
+                req.request_id, 429, "rate_limit_error",
+                f"the tokenizer has {self.config.max_requests} requests in flight (its max_requests); retry shortly",
+                retry_after_s=1.0), gateway)
+            return
         state = self.requests[req.request_id] = RequestState(gateway)
         if _num_prompt_chars(req) < MIN_THREADED_PROMPT_CHARS:
             await self._admit(req, state)

@@ -36,13 +36,19 @@ def _localize(value: str, ports: dict[int, int], redis_port: int) -> str:
 
 def test_compose_file_declares_every_service() -> None:
     services = _compose()["services"]
-    assert set(services) == {"redis", "cache_index", "scheduler", "gpu_worker", "tokenizer", "gateway"}
+    assert set(services) == {"redis", "cache_index", "scheduler", "gpu_worker", "gpu_worker_prefill",
+                             "gpu_worker_decode", "tokenizer", "gateway"}
     assert services["redis"]["image"].startswith("redis:")
-    gpu = services["gpu_worker"]["deploy"]["resources"]["reservations"]["devices"][0]
-    assert gpu["capabilities"] == ["gpu"]
+    for worker in ("gpu_worker", "gpu_worker_prefill", "gpu_worker_decode"):
+        gpu = services[worker]["deploy"]["resources"]["reservations"]["devices"][0]
+        assert gpu["capabilities"] == ["gpu"]
+    assert [services[w]["environment"]["RADIXSERVE_ROLE"] for w in ("gpu_worker_prefill", "gpu_worker_decode")] \
+        == ["prefill", "decode"]
+    assert services["gpu_worker_prefill"]["profiles"] == services["gpu_worker_decode"]["profiles"] == ["pd"]
     for name, spec in services.items():
         if name != "redis":
-            assert spec["command"] == f"python -m services.{name}"
+            module = "gpu_worker" if name.startswith("gpu_worker") else name
+            assert spec["command"] == f"python -m services.{module}"
 
 
 def test_compose_services_serve_a_chat_request(tmp_path: Path) -> None:

@@ -431,7 +431,8 @@ async def test_auth(strict_gateway: GatewayProcess) -> None:
         await client(strict_gateway, "wrong").models.list()
     reply = await client(strict_gateway, "k1").completions.create(model=MODEL, prompt="a")
     assert reply.choices[0].text == "Hello #0"
-    assert (await get(strict_gateway, "/metrics"))[0] == 200
+    assert (await get(strict_gateway, "/metrics"))[0] == 401  # only /health is open when keys are set
+    assert (await get(strict_gateway, "/metrics", headers={"Authorization": "Bearer k2"}))[0] == 200
 
 
 @pytest.mark.asyncio

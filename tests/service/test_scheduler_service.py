@@ -253,9 +253,10 @@ def test_queue_full_is_429_and_queued_requests_go_to_the_first_worker(rig: Rig) 
     assert rig.errors.take_all(settle_s=0.05) == []
 
 
-def test_a_queued_request_past_its_deadline_gets_503(rig: Rig) -> None:
+def test_a_queued_request_past_its_deadline_gets_504(rig: Rig) -> None:
     rig.request("r0", deadline_s=time.time() + 0.3)
-    assert rig.errors.take(timeout_s=2.0) == GenerateError("r0", 503, "server_error", "no worker available")
+    assert rig.errors.take(timeout_s=2.0) == GenerateError(
+        "r0", 504, "server_error", "the request's deadline passed while it waited for a worker")
     assert rig.status().num_queued == 0
 
 

@@ -15,6 +15,7 @@ from services.gpu_worker.kv_transfer.base import DTYPES, TransferError, check_co
 from shared.messages import KVSource
 
 SHM_DIR = Path("/dev/shm")
+MAX_MAPPED_POOLS = 8  # prefill workers a decode worker keeps mapped (older mappings are dropped)
 
 
 class SharedKVPool:
@@ -53,9 +54,10 @@ class ShmPuller:
 
     def _pool(self, source: KVSource) -> tuple[torch.Tensor, torch.Tensor]:
         with self._lock:
-            pool = self._maps.get(source.shm_name)
-            if pool is None:
-                pool = self._maps[source.shm_name] = _map_read_only(source)
+            pool = self._maps.pop(source.shm_name, None) or _map_read_only(source)
+            self._maps[source.shm_name] = pool  # most recently used last
+            while len(self._maps) > MAX_MAPPED_POOLS:  # NOTE: a mapping keeps a dead worker's segment alive
+                self._maps.pop(next(iter(self._maps)))
             return pool
 
     def pull(self, source: KVSource, lease_id: str, src_page_ids: list[int], dst_page_ids: list[int],
