@@ -1,5 +1,5 @@
 """Service overhead: TTFT and inter-token latency through `radixserve serve` (HTTP, SSE, five processes)
-against the offline engine on the same prompts, one request at a time, in one run.
+against the offline engine on the same prompts, one request at a time, interleaved prompt by prompt in one run.
 
     python -m bench.service_overhead --num-prompts 8 --output-len 32
 """
@@ -87,17 +87,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-pages", type=int, default=1024)
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
-    engine = Engine(EngineConfig(model="bundled", device="cpu", num_pages=args.num_pages, enable_prefix_cache=False))
-    prompts = (QUESTIONS * 4)[: args.num_prompts]
-    prompt_ids = [engine.tokenizer.encode(t) for t in prompts]
-    time_engine(engine, prompt_ids[:1], 4)  # warm-up
-    offline = summarize(time_engine(engine, prompt_ids, args.output_len))
-    del engine
     proc = start_server(args.port, args.num_pages)
     try:
+        engine = Engine(EngineConfig(model="bundled", device="cpu", num_pages=args.num_pages,
+                                     enable_prefix_cache=False))
+        prompts = (QUESTIONS * 4)[: args.num_prompts]
+        prompt_ids = [engine.tokenizer.encode(t) for t in prompts]
         url = f"http://127.0.0.1:{args.port}"
-        time_http(url, prompts[:1], 4)  # warm-up
-        http = summarize(time_http(url, prompts, args.output_len))
+        time_engine(engine, prompt_ids[:1], 4)  # warm-up
+        time_http(url, prompts[:1], 4)
+        offline_runs, http_runs = [], []
+        for text, ids in zip(prompts, prompt_ids):  # interleaved, so machine noise hits both alike
+            offline_runs += time_engine(engine, [ids], args.output_len)
+            http_runs += time_http(url, [text], args.output_len)
+        offline, http = summarize(offline_runs), summarize(http_runs)
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(60)
