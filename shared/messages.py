@@ -5,7 +5,13 @@ from typing import Any, TypeVar
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+# Every message carries its sender's PROTOCOL_VERSION. Changes are additive: new fields have defaults (an older
+# receiver ignores them) and a new message type goes only to a peer that asked for it or said it knows it.
+# 1: the first protocol.
+# 2: tokenizer ↔ scheduler failover: TokenizedRequest.wants_routed → RequestRouted; AdoptRequest (sent only to a
+#    scheduler whose StatusReply says version >= 2); AbortRequest.worker_id; GenerateError.worker_lost;
+#    StatusReply.incarnation.
+PROTOCOL_VERSION = 2
 
 T = TypeVar("T")
 
@@ -96,10 +102,17 @@ class GenerateRequest(msgspec.Struct, frozen=True, tag=True):
 
 
 class AbortRequest(msgspec.Struct, frozen=True, tag=True):
-    """gateway → tokenizer → scheduler → worker: stop this request now and free its pages."""
+    """gateway → tokenizer → scheduler → worker: stop this request now and free its pages.
+
+    worker_id (protocol 2) names the worker the sender knows the request runs on: the abort then concerns that
+    run only. A scheduler that routed the request there stops it as usual; one that did not (it never saw the
+    request, or routed it elsewhere) forwards the abort to that worker, so an abort still arrives after the
+    scheduler that routed the request died.
+    """
 
     request_id: str
     reason: str = "abort"
+    worker_id: str = ""
     version: int = PROTOCOL_VERSION
 
 
@@ -120,6 +133,30 @@ class TokenizedRequest(msgspec.Struct, frozen=True, tag=True):
     arrival_s: float
     deadline_s: float | None = None
     model_id: str = ""  # "" = any worker's model
+    wants_routed: bool = False  # protocol 2: the scheduler sends RequestRouted to reply_addr once it is routed
+    version: int = PROTOCOL_VERSION
+
+
+class RequestRouted(msgspec.Struct, frozen=True, tag=True):
+    """scheduler → tokenizer (reply_addr), protocol 2, when TokenizedRequest.wants_routed: the request went to
+    worker_id (PD: its prefill leg to prefill_worker_id). If that scheduler dies, the tokenizer knows the request
+    is on a worker (it hands it to another scheduler with AdoptRequest) rather than lost (it re-sends it)."""
+
+    request_id: str
+    worker_id: str
+    prefill_worker_id: str = ""
+    version: int = PROTOCOL_VERSION
+
+
+class AdoptRequest(msgspec.Struct, frozen=True, tag=True):
+    """tokenizer → scheduler, protocol 2: the scheduler that routed this request is gone and the request runs on
+    worker_id (PD: its prefill leg, not yet handed off, on prefill_worker_id); take over its in-flight entry, so
+    its abort is forwarded, its worker's death fails it and its seat is counted."""
+
+    request_id: str
+    worker_id: str
+    reply_addr: str
+    prefill_worker_id: str = ""
     version: int = PROTOCOL_VERSION
 
 
@@ -166,6 +203,7 @@ class GenerateError(msgspec.Struct, frozen=True, tag=True):
     code: str  # OpenAI error type, e.g. "invalid_request_error", "server_error", "rate_limit_error"
     message: str
     retry_after_s: float | None = None
+    worker_lost: bool = False  # protocol 2: its worker died or left; a tokenizer may re-send it if nothing streamed
     version: int = PROTOCOL_VERSION
 
 
@@ -233,12 +271,17 @@ class StatusRequest(msgspec.Struct, frozen=True, tag=True):
 
 
 class StatusReply(msgspec.Struct, frozen=True, tag=True):
-    """scheduler → gateway: live workers and their models; num_queued requests in the scheduler."""
+    """scheduler → gateway or tokenizer: live workers and their models; num_queued requests in the scheduler.
+
+    Tokenizers send StatusRequest as a liveness ping; a new incarnation (protocol 2) means the scheduler restarted
+    and forgot what it had routed.
+    """
 
     model_ids: list[str]
     num_workers: int
     num_queued: int
     num_in_flight: int
+    incarnation: str = ""
     version: int = PROTOCOL_VERSION
 
 
@@ -372,9 +415,9 @@ class PagesChunk(msgspec.Struct, frozen=True, tag=True):
 
 GatewayInbound = GenerateChunk | GenerateError
 TokenizerInbound = GenerateRequest | AbortRequest
-TokenizerStreamInbound = TokenBatch | GenerateError
+TokenizerStreamInbound = TokenBatch | GenerateError | RequestRouted
 SchedulerInbound = (TokenizedRequest | AbortRequest | WorkerHeartbeat | RequestFinished | WorkerGone
-                    | StatusRequest | HandoffAccepted)
+                    | StatusRequest | HandoffAccepted | AdoptRequest)
 WorkerInbound = TokenizedRequest | AbortRequest | SnapshotRequest | PrefillRequest | KVReady | ReleaseLease
 TransferInbound = PagesRequest
 TransferReply = PagesChunk

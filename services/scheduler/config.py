@@ -24,6 +24,10 @@ class SchedulerConfig:
                                        "limit)"})
     heartbeat_timeout_s: float = field(default=3.0,
                                        metadata={"help": "a worker silent this long is dead (its requests get 503)"})
+    abort_memory_s: float = field(
+        default=10.0, metadata={"help": "seconds the abort or end of a request unknown here is remembered, so the "
+                                        "request is not taken on if a tokenizer hands it over from a dead "
+                                        "scheduler (0: off)"})
     routing: str = field(default="cache_aware", metadata={"help": "routing policy: " + ", ".join(POLICIES)})
     route_request_tokens: float = field(
         default=64.0, metadata={"help": "cache_aware: cost, in prompt tokens, of each active request on a worker"})
@@ -61,8 +65,8 @@ class SchedulerConfig:
             raise ValueError("pd_min_prefill_tokens must be >= 0")
         if self.max_imbalance_ratio < 1 or self.max_imbalance_requests < 0:
             raise ValueError("max_imbalance_ratio must be >= 1 and max_imbalance_requests >= 0")
-        if min(self.route_request_tokens, self.route_kv_tokens, self.pending_ttl_s) < 0:
-            raise ValueError("route_request_tokens, route_kv_tokens and pending_ttl_s must be >= 0")
+        if min(self.route_request_tokens, self.route_kv_tokens, self.pending_ttl_s, self.abort_memory_s) < 0:
+            raise ValueError("route_request_tokens, route_kv_tokens, pending_ttl_s and abort_memory_s must be >= 0")
         if not 0 <= self.metrics_port < 65536:
             raise ValueError("metrics_port must be 0 (off) or a TCP port")
 

@@ -1,11 +1,12 @@
 """The in-flight table: which worker each routed request went to and where its errors go, indexed by worker
-so a dead worker's requests can all be failed (pure).
+so a dead worker's requests can all be failed (pure). Also the requests that ended while unknown here.
 
 A PD request has two legs: its decode worker (worker_id, until it finishes) and its prefill worker
 (prefill_worker_id, until the prefill side reports the handoff). Both legs index the request.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 
@@ -75,3 +76,34 @@ class InFlightTable:
         expected = {(leg, rid) for rid, entry in self._by_request.items() for leg in self._legs(entry)}
         assert indexed == expected
         assert all(self._by_worker.values()), "no empty per-worker sets"
+
+
+class RecentIds:
+    """Ids of requests that ended while unknown here (aborted, or finished on a worker), each kept ttl_s (at most
+    max_size: the oldest go first), so a request handed over later from a dead scheduler is not taken on after
+    its end (pure: times passed in)."""
+
+    def __init__(self, ttl_s: float, max_size: int = 65_536) -> None:
+        self.ttl_s = ttl_s
+        self.max_size = max_size
+        self._until: OrderedDict[str, float] = OrderedDict()  # oldest first: every entry lives ttl_s
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+    def add(self, request_id: str, now_s: float) -> None:
+        if self.ttl_s <= 0:
+            return
+        self._until.pop(request_id, None)
+        self._until[request_id] = now_s + self.ttl_s
+        if len(self._until) > self.max_size:
+            self._until.popitem(last=False)
+
+    def pop(self, request_id: str, now_s: float) -> bool:
+        """Forget request_id; True if it was still remembered."""
+        until = self._until.pop(request_id, None)
+        return until is not None and until >= now_s
+
+    def expire(self, now_s: float) -> None:
+        while self._until and next(iter(self._until.values())) < now_s:
+            self._until.popitem(last=False)

@@ -1,11 +1,12 @@
 """The scheduler actor shell: one ROUTER for tokenizers, workers and gateways; admission, routing through a
 policy (global index lookups merged with pending entries), the in-flight table, failing the requests of
-workers that die, and the /metrics endpoint."""
+workers that die, taking over the requests of a dead scheduler replica, and the /metrics endpoint."""
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import time
+import uuid
 
 import msgspec
 import redis.asyncio as aioredis
@@ -15,7 +16,7 @@ import zmq
 import zmq.asyncio
 
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.inflight import InFlight, InFlightTable
+from services.scheduler.inflight import InFlight, InFlightTable, RecentIds
 from services.scheduler.metrics import SchedulerMetrics, serve_metrics
 from services.scheduler.pending import PendingPrefixes, merge_prefixes
 from services.scheduler.pairing import LOCAL_ROLES, Pairing, make_pairing
@@ -24,9 +25,9 @@ from services.scheduler.registry import HeartbeatKind, Registry
 from services.scheduler.waiting_queue import WaitingQueue
 from shared import redis_index, transport
 from shared.actor import Actor
-from shared.messages import (AbortRequest, GenerateError, HandoffAccepted, PrefillRequest, RequestFinished,
-                             SchedulerInbound, StatusReply, StatusRequest, TokenizedRequest, WorkerGone,
-                             WorkerHeartbeat)
+from shared.messages import (AbortRequest, AdoptRequest, GenerateError, HandoffAccepted, PrefillRequest,
+                             RequestFinished, RequestRouted, SchedulerInbound, StatusReply, StatusRequest,
+                             TokenizedRequest, WorkerGone, WorkerHeartbeat)
 
 log = structlog.get_logger(__name__)
 
@@ -41,8 +42,12 @@ class SchedulerService(Actor):
     def __init__(self, config: SchedulerConfig) -> None:
         super().__init__()
         self.config = config
+        self.incarnation = uuid.uuid4().hex  # tells tokenizers that a restarted scheduler forgot its requests
         self.registry = Registry()
         self.inflight = InFlightTable()
+        self.recent_aborts = RecentIds(config.abort_memory_s)  # aborted while unknown here
+        self.recent_finishes = RecentIds(config.abort_memory_s)  # finished on their worker while unknown here
+        self._unconfirmed: dict[str, float] = {}  # adopted requests on workers not heard of yet → give-up time
         self.queue = WaitingQueue(config.max_queue)
         self.policy = make_policy(config.routing, config.heartbeat_timeout_s, config.cost_weights, LOCAL_ROLES)
         self.pairing = make_pairing(config.pd_policy, self.policy, config.heartbeat_timeout_s, config.cost_weights,
@@ -62,7 +67,7 @@ class SchedulerService(Actor):
         self._handlers = {TokenizedRequest: self._on_request, AbortRequest: self._on_abort,
                           WorkerHeartbeat: self._on_heartbeat, RequestFinished: self._on_finished,
                           WorkerGone: self._on_worker_gone, StatusRequest: self._on_status,
-                          HandoffAccepted: self._on_handoff_accepted}
+                          HandoffAccepted: self._on_handoff_accepted, AdoptRequest: self._on_adopt}
 
     async def start(self) -> None:
         self._router = transport.bind(zmq.ROUTER, self.config.scheduler_addr)
@@ -75,7 +80,8 @@ class SchedulerService(Actor):
         if self.config.metrics_port:
             self._metrics_runner = await serve_metrics(self.metrics, self.config.metrics_host,
                                                        self.config.metrics_port)
-        log.info("ready", addr=transport.bound_addr(self._router), routing=self.config.routing,
+        log.info("ready", addr=transport.bound_addr(self._router), incarnation=self.incarnation,
+                 routing=self.config.routing,
                  redis_url=self.config.redis_url or None, metrics_port=self.config.metrics_port or None)
 
     async def close(self) -> None:
@@ -113,6 +119,9 @@ class SchedulerService(Actor):
             self.pending.add(request.block_hashes, prefill.worker_id, time.monotonic())
             await self._pushes.send(self.registry.get(prefill.worker_id).addr,
                                     PrefillRequest(request, decode.worker_id, decode_addr))
+        if request.wants_routed:
+            await self._to_tokenizer(request.reply_addr, RequestRouted(
+                request.request_id, decode.worker_id, prefill.worker_id if prefill is not None else ""))
         return True
 
     async def _decide(self, request: TokenizedRequest) -> Pairing | None:
@@ -177,11 +186,36 @@ class SchedulerService(Actor):
                 return
 
     async def _on_abort(self, msg: AbortRequest, identity: bytes | None) -> None:
-        if self.queue.remove(msg.request_id):
-            return
-        entry = self.inflight.pop(msg.request_id)
-        if entry is not None:
+        """Stop the request's queued or routed copy here; with msg.worker_id, its run on that worker when this
+        scheduler did not route it there (forwarded). A plain abort for a request unknown here is remembered a
+        while, in case a tokenizer hands the request over from a dead scheduler."""
+        is_queued = self.queue.remove(msg.request_id)
+        entry = self.inflight.get(msg.request_id)
+        if entry is not None and msg.worker_id in ("", entry.worker_id, entry.prefill_worker_id):
+            self.inflight.pop(msg.request_id)
             await self._abort_legs(entry, msg)
+        elif msg.worker_id:
+            worker = self.registry.get(msg.worker_id)
+            if worker is not None:
+                await self._pushes.send(worker.addr, msg)
+        elif not is_queued:
+            self.recent_aborts.add(msg.request_id, time.monotonic())
+
+    async def _on_adopt(self, msg: AdoptRequest, identity: bytes | None) -> None:
+        """Take over the in-flight entry of a request whose scheduler died; its tokenizer says where it runs."""
+        legs = [w for w in (msg.worker_id, msg.prefill_worker_id) if w]
+        if self.recent_finishes.pop(msg.request_id, time.monotonic()):
+            return  # it ended on its worker before the handover arrived
+        if self.recent_aborts.pop(msg.request_id, time.monotonic()):  # its abort came before it did
+            log.info("adopted request was aborted; stopping it", request_id=msg.request_id, worker_id=msg.worker_id)
+            await self._abort_legs(InFlight(msg.request_id, msg.worker_id, msg.reply_addr,
+                                            msg.prefill_worker_id or None), AbortRequest(msg.request_id))
+            return
+        self.inflight.add(msg.request_id, msg.worker_id, msg.reply_addr, msg.prefill_worker_id or None)
+        if any(w not in self.registry for w in legs):  # NOTE: maybe just started; its heartbeat may come yet
+            self._unconfirmed[msg.request_id] = time.monotonic() + self.config.heartbeat_timeout_s
+        log.info("request adopted", request_id=msg.request_id, worker_id=msg.worker_id,
+                 prefill_worker_id=msg.prefill_worker_id or None)
 
     async def _abort_legs(self, entry: InFlight, msg: AbortRequest, except_worker_id: str | None = None) -> None:
         """Tell each live worker holding a leg of the request to stop it (both, for a PD request: the
@@ -205,6 +239,8 @@ class SchedulerService(Actor):
     async def _on_finished(self, msg: RequestFinished, identity: bytes | None) -> None:
         entry = self.inflight.get(msg.request_id)
         if entry is None:
+            if not msg.handed_off:
+                self.recent_finishes.add(msg.request_id, time.monotonic())  # another scheduler's, or not adopted yet
             return
         if entry.worker_id == msg.worker_id:
             self.inflight.pop(msg.request_id)
@@ -229,13 +265,17 @@ class SchedulerService(Actor):
 
     async def _on_status(self, msg: StatusRequest, identity: bytes | None) -> None:
         reply = StatusReply(model_ids=self.registry.model_ids(), num_workers=len(self.registry),
-                            num_queued=len(self.queue), num_in_flight=len(self.inflight))
+                            num_queued=len(self.queue), num_in_flight=len(self.inflight),
+                            incarnation=self.incarnation)
         await transport.send(self._router, reply, identity)
 
     async def _tick(self) -> None:
-        """Periodic: drop workers that missed heartbeats, fail queued requests past their deadline, and forget
-        pending entries whose time is up."""
+        """Periodic: drop workers that missed heartbeats, fail queued requests past their deadline and adopted
+        requests whose worker never showed up, and forget pending entries and aborts whose time is up."""
         self.pending.expire(time.monotonic())
+        self.recent_aborts.expire(time.monotonic())
+        self.recent_finishes.expire(time.monotonic())
+        await self._check_unconfirmed(time.monotonic())
         for worker in self.registry.expire(time.monotonic(), self.config.heartbeat_timeout_s):
             log.warning("worker missed heartbeats; dropped", worker_id=worker.worker_id)
             self._pushes.drop(worker.addr)
@@ -251,14 +291,30 @@ class SchedulerService(Actor):
                 await self._fail(request.request_id, request.reply_addr, 503,
                                  f"no worker could take the request within {self.config.max_queue_wait_s:g} s")
 
+    async def _check_unconfirmed(self, now_s: float) -> None:
+        """Fail adopted requests whose workers this scheduler has not heard of within a heartbeat timeout."""
+        for request_id, give_up_s in list(self._unconfirmed.items()):
+            entry = self.inflight.get(request_id)
+            if entry is None or all(w in self.registry for w in (entry.worker_id, entry.prefill_worker_id) if w):
+                del self._unconfirmed[request_id]
+            elif now_s >= give_up_s:
+                del self._unconfirmed[request_id]
+                self.inflight.pop(request_id)
+                await self._fail(request_id, entry.reply_addr, 503, "its worker is gone", worker_lost=True)
+                await self._abort_legs(entry, AbortRequest(request_id, "worker gone"))
+
     async def _fail_worker_requests(self, worker_id: str, reason: str) -> None:
         for entry in self.inflight.pop_worker(worker_id):
-            await self._fail(entry.request_id, entry.reply_addr, 503, reason)
+            await self._fail(entry.request_id, entry.reply_addr, 503, reason, worker_lost=True)
             await self._abort_legs(entry, AbortRequest(entry.request_id, reason), except_worker_id=worker_id)
 
     async def _fail(self, request_id: str, reply_addr: str, status: int, message: str, code: str = "server_error",
-                    retry_after_s: float | None = None) -> None:
+                    retry_after_s: float | None = None, worker_lost: bool = False) -> None:
+        await self._to_tokenizer(reply_addr, GenerateError(request_id, status, code, message, retry_after_s,
+                                                           worker_lost=worker_lost))
+
+    async def _to_tokenizer(self, reply_addr: str, msg: GenerateError | RequestRouted) -> None:
         try:
-            await self._pushes.send(reply_addr, GenerateError(request_id, status, code, message, retry_after_s))
+            await self._pushes.send(reply_addr, msg)
         except zmq.ZMQError as exc:
-            log.warning("cannot reach reply_addr", request_id=request_id, reply_addr=reply_addr, error=str(exc))
+            log.warning("cannot reach reply_addr", request_id=msg.request_id, reply_addr=reply_addr, error=str(exc))

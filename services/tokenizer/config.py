@@ -18,7 +18,21 @@ class TokenizerConfig:
     page_size: int = field(default=16, metadata={"help": "tokens per KV page (block hash granularity)"})
     max_prompt_tokens: int = field(default=8192, metadata={"help": "longer prompts are refused with 400"})
     max_requests: int = field(default=4096, metadata={"help": "requests in flight here; beyond, 429"})
+    scheduler_ping_interval_s: float = field(default=0.25,
+                                             metadata={"help": "seconds between liveness pings to each scheduler"})
+    scheduler_timeout_s: float = field(
+        default=1.0, metadata={"help": "a scheduler silent this long is lost: new requests go to the others and "
+                                       "its own are handed over or re-sent"})
+    max_resends: int = field(
+        default=1, metadata={"help": "times a request that streamed nothing yet is re-sent after its scheduler or "
+                                     "worker died (0: never; it fails with 503)"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
+
+    def __post_init__(self) -> None:
+        if not 0 < self.scheduler_ping_interval_s < self.scheduler_timeout_s:
+            raise ValueError("scheduler_ping_interval_s must be > 0 and shorter than scheduler_timeout_s")
+        if self.max_resends < 0 or self.max_requests < 1:
+            raise ValueError("max_resends must be >= 0 and max_requests >= 1")
 
     @property
     def scheduler_addr_list(self) -> list[str]:

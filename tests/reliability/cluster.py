@@ -4,6 +4,7 @@ an observer that receives every worker's heartbeats (load, free KV pages) and Re
 global index in Redis."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -87,6 +88,11 @@ class Service:
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def log_events(self, event: str) -> list[dict[str, Any]]:
+        """Every JSON log line of this service (all its runs) whose event is `event`."""
+        lines = (json.loads(line) for line in self.log_text().splitlines() if line.startswith("{"))
+        return [e for e in lines if e.get("event") == event]
+
 
 class Observer:
     """A ROUTER that workers treat as one more scheduler: it keeps each worker's latest heartbeat and every
@@ -157,12 +163,14 @@ def http_status(url: str, timeout_s: float = 2.0) -> int:
 class Cluster:
     """Services started one by one over ipc:// in a short temp dir (unix socket paths are limited to ~107 bytes).
 
-    Addresses: scheduler, cache_index, observer, worker<i>, tokenizer<i> (+ -stream); Redis on a unix socket.
+    Addresses: scheduler (scheduler<i> for the i-th of several), cache_index, observer, worker<i>, tokenizer<i>
+    (+ -stream); Redis on a unix socket. Workers, tokenizers and gateways are given every scheduler.
     """
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, num_schedulers: int = 1) -> None:
         self.sock_dir = Path(tempfile.mkdtemp(prefix="rsrel"))
         self.log_dir = log_dir
+        self.num_schedulers = num_schedulers
         self.services: dict[str, Service] = {}
         self.redis = RedisProcess(self.sock_dir / "redis.sock")
         self.observer: Observer | None = None
@@ -174,6 +182,10 @@ class Cluster:
     @property
     def scheduler_addr(self) -> str:
         return self.ipc("scheduler")
+
+    @property
+    def scheduler_addrs(self) -> list[str]:
+        return [self.ipc(scheduler_name(i)) for i in range(self.num_schedulers)]
 
     @property
     def cache_index_addr(self) -> str:
@@ -210,13 +222,14 @@ class Cluster:
                                         "--redis-url", self.redis.url, "--retry-interval-s", "0.2",
                                         "--redis-timeout-s", "0.5"])
 
-    def start_scheduler(self, *extra: str) -> Service:
-        return self.add("scheduler", ["services.scheduler", "--scheduler-addr", self.scheduler_addr,
-                                      "--redis-url", self.redis.url, "--cache-index-addr", self.cache_index_addr,
-                                      "--heartbeat-timeout-s", "1.0", "--redis-retry-s", "0.5", *extra])
+    def start_scheduler(self, *extra: str, index: int = 0) -> Service:
+        name = scheduler_name(index)
+        return self.add(name, ["services.scheduler", "--scheduler-addr", self.ipc(name),
+                               "--redis-url", self.redis.url, "--cache-index-addr", self.cache_index_addr,
+                               "--heartbeat-timeout-s", "1.0", "--redis-retry-s", "0.5", *extra])
 
     def start_worker(self, index: int, *extra: str) -> Service:
-        schedulers = [self.scheduler_addr] + ([self.observer.addr] if self.observer else [])
+        schedulers = self.scheduler_addrs + ([self.observer.addr] if self.observer else [])
         return self.add(f"worker{index}", [
             "services.gpu_worker", "--worker-id", f"worker{index}", "--worker-addr", self.ipc(f"worker{index}"),
             "--scheduler-addrs", ",".join(schedulers), "--cache-index-addr", self.cache_index_addr,
@@ -226,7 +239,7 @@ class Cluster:
     def start_tokenizer(self, index: int) -> Service:
         return self.add(f"tokenizer{index}", [
             "services.tokenizer", "--model", MODEL, "--tokenizer-addr", self.ipc(f"tokenizer{index}"),
-            "--stream-addr", self.ipc(f"tokenizer{index}-stream"), "--scheduler-addrs", self.scheduler_addr])
+            "--stream-addr", self.ipc(f"tokenizer{index}-stream"), "--scheduler-addrs", ",".join(self.scheduler_addrs)])
 
     def start_gateway(self, num_tokenizers: int, *extra: str, name: str = "gateway") -> tuple[Service, str]:
         port = free_port()
@@ -234,14 +247,15 @@ class Cluster:
             self.gateway_port = port
         tokenizers = ",".join(self.ipc(f"tokenizer{i}") for i in range(num_tokenizers))
         service = self.add(name, ["services.gateway", "--host", "127.0.0.1", "--port", str(port),
-                                  "--tokenizer-addrs", tokenizers, "--scheduler-addrs", self.scheduler_addr,
+                                  "--tokenizer-addrs", tokenizers, "--scheduler-addrs", ",".join(self.scheduler_addrs),
                                   *extra])
         return service, f"http://127.0.0.1:{port}"
 
     def wait_workers(self, num_workers: int, timeout_s: float = 60.0) -> None:
+        """Until every scheduler knows num_workers workers."""
         def ready() -> bool:
-            status = scheduler_status(self.scheduler_addr, 0.5)
-            return status is not None and status.num_workers == num_workers
+            statuses = [scheduler_status(addr, 0.5) for addr in self.scheduler_addrs]
+            return all(s is not None and s.num_workers == num_workers for s in statuses)
         self._wait(ready, timeout_s)
 
     def wait_http(self, url: str, timeout_s: float = 60.0) -> None:
@@ -267,6 +281,10 @@ class Cluster:
             self.observer.close()
         self.redis.stop()
         shutil.rmtree(self.sock_dir, ignore_errors=True)
+
+
+def scheduler_name(index: int) -> str:
+    return "scheduler" if index == 0 else f"scheduler{index}"
 
 
 def completion(model: str, prompt: list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:

@@ -1,9 +1,11 @@
 """Fault injection on real processes (one service per process, over ipc://, random:tiny-llama on the CPU):
-client disconnects, deadlines, kill -9 of a worker, of Redis and of a tokenizer replica, lost and reordered
-KV events. Each test asserts the outcome and that the cluster's counters are back to their baseline."""
+client disconnects, deadlines, kill -9 of a worker, of Redis, of a tokenizer replica and of a scheduler replica,
+lost and reordered KV events. Each test asserts the outcome and that the cluster's counters are back to their
+baseline."""
 from __future__ import annotations
 
 import json
+import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,28 +18,31 @@ import zmq
 from shared.hashing import hash_blocks
 from shared.messages import (BlocksRemoved, BlocksStored, CacheSnapshot, KVEventBatch, SnapshotRequest,
                              WorkerGone, WorkerInbound, decode, encode)
-from tests.reliability.cluster import MODEL, Cluster, completion, scheduler_status, wait_until
+from tests.reliability.cluster import MODEL, Cluster, Service, completion, scheduler_status, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 HEARTBEAT_TIMEOUT_S = 1.0
+SCHEDULER_TIMEOUT_S = 1.0  # the tokenizers' default --scheduler-timeout-s
 REQUEST_TIMEOUT_S = 20.0
 PAGE = 16
 TOTAL_PAGES = 255  # --num-pages 256, one page reserved
+MAX_NUM_SEQS = 2
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """Redis, cache_index, a scheduler (round robin: placement is predictable), two workers that also heartbeat
-    to an observer, two tokenizers and a gateway."""
+    """Redis, cache_index, a scheduler (round robin: placement is predictable), two workers (each running at most
+    MAX_NUM_SEQS requests at once, the rest wait unstarted) that also heartbeat to an observer, two tokenizers and
+    a gateway."""
     c = Cluster(tmp_path_factory.mktemp("faults"))
     try:
         c.start_redis()
         c.start_observer()
         c.start_cache_index()
         c.start_scheduler("--routing", "round_robin")
-        c.start_worker(0)
-        c.start_worker(1)
+        c.start_worker(0, "--max-num-seqs", str(MAX_NUM_SEQS))
+        c.start_worker(1, "--max-num-seqs", str(MAX_NUM_SEQS))
         c.start_tokenizer(0)
         c.start_tokenizer(1)
         c.start_gateway(2, "--request-timeout-s", str(REQUEST_TIMEOUT_S))
@@ -61,13 +66,16 @@ def is_idle(c: Cluster, worker_id: str) -> bool:
     return load is not None and load.num_running == 0 and load.num_waiting == 0
 
 
-def assert_back_to_baseline(c: Cluster, workers: tuple[str, ...] = ("worker0", "worker1")) -> None:
-    """No request in the scheduler (queued or in flight), none running or waiting on any worker, no dead process."""
+def assert_back_to_baseline(c: Cluster, workers: tuple[str, ...] = ("worker0", "worker1"),
+                            schedulers: list[str] | None = None, dead: tuple[str, ...] = ()) -> None:
+    """No request in a scheduler (queued or in flight), none running or waiting on any worker, no dead process
+    but those named."""
     wait_until(lambda: all(is_idle(c, w) for w in workers), 10)
-    status = wait_until(lambda: (s := scheduler_status(c.scheduler_addr)) and s.num_in_flight == 0
-                        and s.num_queued == 0 and s, 10)
-    assert status.num_workers == len(workers)
-    assert c.dead_services() == []
+    for addr in schedulers or [c.scheduler_addr]:
+        status = wait_until(lambda: (s := scheduler_status(addr)) and s.num_in_flight == 0
+                            and s.num_queued == 0 and s, 10)
+        assert status.num_workers == len(workers)
+    assert c.dead_services() == sorted(dead)
 
 
 def stream_lines(resp: requests.Response) -> Iterator[dict]:
@@ -137,17 +145,24 @@ def test_gateway_over_its_concurrency_limit_answers_429_with_retry_after(cluster
 def test_killed_worker_fails_its_requests_cleanly_and_a_restarted_one_rejoins(cluster: Cluster) -> None:
     c = cluster
     model_id = MODEL
-    long = completion(MODEL, prompt(6, 40), 800)
-    with ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(post, c.url, long) for _ in range(4)]  # round robin: two on each worker
-        wait_until(lambda: all(not is_idle(c, w) for w in ("worker0", "worker1")), 10)
+    long = completion(MODEL, prompt(6, 40), 400)
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(post, c.url, long) for _ in range(6)]  # round robin: three on each worker
+        # On each worker two run (they have streamed tokens) and one waits, unstarted, for a free seat.
+        wait_until(lambda: all((load := c.observer.load(w, 0.5)) and load.num_running == MAX_NUM_SEQS
+                               and load.num_waiting == 1 for w in ("worker0", "worker1")), 10)
+        time.sleep(0.3)
         c.services["worker0"].kill9()
         killed = time.monotonic()
         wait_until(lambda: (s := scheduler_status(c.scheduler_addr)) and s.num_workers == 1, 5)
         dropped_after_s = time.monotonic() - killed
         statuses = sorted(f.result(timeout=60).status_code for f in futures)
     assert dropped_after_s < HEARTBEAT_TIMEOUT_S + 1.0  # stops routing within a heartbeat timeout (+ one tick)
-    assert statuses == [200, 200, 503, 503]  # the dead worker's requests fail cleanly; the others finish
+    # The dead worker's two streaming requests fail cleanly (a re-run could contradict what was streamed); the one
+    # that had streamed nothing is re-sent once, to worker1, and finishes like worker1's own three.
+    assert statuses == [200, 200, 200, 200, 503, 503]
+    resent = [e for t in ("tokenizer0", "tokenizer1") for e in c.services[t].log_events("request re-sent")]
+    assert [(e["reason"], e["num_resends"]) for e in resent] == [("worker died", 1)]
     # The scheduler routes only to the live worker now, and the index forgets the dead one.
     for i in range(3):
         assert post(c.url, completion(MODEL, prompt(7 + i, 20), 4)).status_code == 200
@@ -191,6 +206,114 @@ def test_dead_tokenizer_replica_is_survived_by_the_other(cluster: Cluster) -> No
     c.start_tokenizer(1)
     wait_until(lambda: '"event": "serving"' in c.services["tokenizer1"].log_text(), 30, 0.1)
     assert_back_to_baseline(c)
+
+
+@pytest.fixture
+def two_schedulers(tmp_path: Path) -> Iterator[Cluster]:
+    """Redis, cache_index, two scheduler replicas (scheduler: at most 2 requests on the worker, the rest queue;
+    scheduler1: no such bound), one worker that also heartbeats to an observer, two tokenizers and a gateway."""
+    c = Cluster(tmp_path, num_schedulers=2)
+    try:
+        c.start_redis()
+        c.start_observer()
+        c.start_cache_index()
+        start_replica(c, 0)
+        start_replica(c, 1)
+        c.start_worker(0)
+        c.start_tokenizer(0)
+        c.start_tokenizer(1)
+        c.start_gateway(2, "--request-timeout-s", str(REQUEST_TIMEOUT_S))
+        c.wait_workers(1)
+        c.wait_http(c.url)
+        yield c
+    finally:
+        c.close()
+
+
+def start_replica(c: Cluster, index: int) -> Service:
+    seats = ("--max-requests-per-worker", "2") if index == 0 else ()
+    return c.start_scheduler("--routing", "round_robin", "--log-level", "debug", *seats, index=index)
+
+
+def routed_by(service: Service) -> set[str]:
+    return {e["request_id"] for e in service.log_events("routed")}
+
+
+def test_dead_scheduler_replica_is_survived_and_a_restarted_one_serves_again(two_schedulers: Cluster) -> None:
+    c = two_schedulers
+    dead, live = c.scheduler_addrs
+    tokenizers = [c.services[t] for t in ("tokenizer0", "tokenizer1")]
+    streams: list[tuple[requests.Response, Iterator[dict], str]] = []
+    try:
+        # Two endless streams: each tokenizer sends its first request to the first scheduler (its 2 seats).
+        for i in range(2):
+            resp = requests.post(c.url + "/v1/completions", json=completion(MODEL, prompt(50 + i, 20), 100_000,
+                                                                            stream=True), stream=True, timeout=30)
+            assert resp.status_code == 200
+            events = stream_lines(resp)
+            streams.append((resp, events, next(events)["id"]))
+        with ThreadPoolExecutor(10) as pool:
+            load = [pool.submit(post, c.url, completion(MODEL, prompt(60 + i, 20), 32)) for i in range(6)]
+            # A third of them reach the first scheduler; they queue there, behind the streams.
+            wait_until(lambda: (s := scheduler_status(dead, 0.5)) and s.num_queued >= 1 and s.num_in_flight == 2,
+                       10)
+            on_dead = [stream_id for *_, stream_id in streams if stream_id in routed_by(c.services["scheduler"])]
+            assert on_dead, "no stream went through the scheduler about to die"
+            c.services["scheduler"].kill9()
+            killed = time.monotonic()
+            fresh = [pool.submit(post, c.url, completion(MODEL, prompt(70 + i, 20), 4)) for i in range(4)]
+            assert [f.result(timeout=30).status_code for f in fresh] == [200] * 4  # none sent to the dead one
+            fresh_after_s = time.monotonic() - killed
+            # The queued ones are re-sent, the routed ones handed over: none waits for the gateway's timeout.
+            assert [f.result(timeout=30).status_code for f in load] == [200] * 6
+            load_after_s = time.monotonic() - killed
+        assert fresh_after_s < 2 * SCHEDULER_TIMEOUT_S + 2.0  # 2 tokenizer timeouts + the requests' own run
+        assert load_after_s < REQUEST_TIMEOUT_S / 2
+        resent = [e for t in tokenizers for e in t.log_events("request re-sent")]
+        assert resent and {e["reason"] for e in resent} == {"its scheduler is gone"}
+        handed_over = {e["request_id"] for t in tokenizers for e in t.log_events("request handed over")}
+        assert set(on_dead) <= handed_over
+        # The streams routed by the dead scheduler stream on (the worker sends straight to the tokenizer).
+        wait_until(lambda: (load := c.observer.load("worker0", 0.3)) and load.num_running == 2, 5)
+        for _, events, _ in streams:
+            for _ in range(20):
+                assert next(events)["choices"][0]["finish_reason"] is None
+    finally:
+        for resp, *_ in streams:  # client disconnects: the gateway aborts them
+            resp.close()
+    # The aborts reach the worker, also those of the streams whose scheduler died.
+    disconnected = time.monotonic()
+    wait_until(lambda: is_idle(c, "worker0"), 5)
+    assert time.monotonic() - disconnected < 2.0
+    assert_back_to_baseline(c, ("worker0",), [live], dead=("scheduler",))
+    # Restarted, the replica answers both tokenizers' pings and gets requests again.
+    lives = [len(t.log_events("scheduler live")) for t in tokenizers]
+    start_replica(c, 0)
+    wait_until(lambda: (s := scheduler_status(dead, 0.5)) and s.num_workers == 1, 30)
+    wait_until(lambda: all(len(t.log_events("scheduler live")) > n for t, n in zip(tokenizers, lives)), 10)
+    answers = [post(c.url, completion(MODEL, prompt(80 + i, 20), 4)) for i in range(4)]
+    assert [a.status_code for a in answers] == [200] * 4
+    assert {a.json()["id"] for a in answers} & routed_by(c.services["scheduler"])
+    assert_back_to_baseline(c, ("worker0",), c.scheduler_addrs)
+    # A hung replica (SIGSTOP: its sockets stay open, only the unanswered pings tell) is lost after the timeout:
+    # what was sent to it meanwhile is re-sent. Once it answers again it is used again.
+    hung = c.services["scheduler1"]
+    lives = [len(t.log_events("scheduler live")) for t in tokenizers]
+    num_resent = sum(len(t.log_events("request re-sent")) for t in tokenizers)
+    hung.proc.send_signal(signal.SIGSTOP)
+    try:
+        stopped = time.monotonic()
+        with ThreadPoolExecutor(4) as pool:
+            answers = [pool.submit(post, c.url, completion(MODEL, prompt(90 + i, 20), 4)) for i in range(4)]
+            assert [f.result(timeout=30).status_code for f in answers] == [200] * 4
+        assert time.monotonic() - stopped < 2 * SCHEDULER_TIMEOUT_S + 2.0
+        assert sum(len(t.log_events("request re-sent")) for t in tokenizers) > num_resent
+        assert {e["reason"] for t in tokenizers for e in t.log_events("scheduler lost")} >= {"stopped answering"}
+    finally:
+        hung.proc.send_signal(signal.SIGCONT)
+    wait_until(lambda: all(len(t.log_events("scheduler live")) > n for t, n in zip(tokenizers, lives)), 10)
+    c.wait_workers(1, 10)  # NOTE: after its pause it may drop the worker for a moment, until its heartbeat is read
+    assert_back_to_baseline(c, ("worker0",), c.scheduler_addrs)
 
 
 @pytest.fixture

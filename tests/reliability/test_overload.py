@@ -139,8 +139,9 @@ def test_tokenizer_holds_at_most_max_requests(rig: Rig, tmp_path: Path) -> None:
     scheduler.bind(rig.addr("scheduler"))
     service = Service("tokenizer", ["services.tokenizer", "--model", "random:tiny-llama", "--tokenizer-addr",
                                     rig.addr("tokenizer"), "--stream-addr", rig.addr("stream"),
-                                    "--scheduler-addrs", rig.addr("scheduler"), "--max-requests", "2"],
-                      tmp_path).start()
+                                    "--scheduler-addrs", rig.addr("scheduler"), "--max-requests", "2",
+                                    "--scheduler-ping-interval-s", "600", "--scheduler-timeout-s", "3600"],
+                      tmp_path).start()  # NOTE: no pings within the test: the fake does not answer them
     try:
         gateway = rig.dealer(rig.addr("tokenizer"), identity=b"gw")
         for request_id in ("t0", "t1", "t2"):

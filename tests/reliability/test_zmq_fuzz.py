@@ -16,10 +16,10 @@ import requests
 import zmq
 
 from shared import transport
-from shared.messages import (AbortRequest, BlocksRemoved, BlocksStored, CacheSnapshot, ChatMessage, GenerateError,
-                             GenerateRequest, KVEventBatch, RequestFinished, SamplingSpec, SnapshotRequest,
-                             StatusRequest, TokenBatch, TokenizedRequest, TokenOutputs, WorkerGone,
-                             WorkerHeartbeat, WorkerLoad, encode)
+from shared.messages import (AbortRequest, AdoptRequest, BlocksRemoved, BlocksStored, CacheSnapshot, ChatMessage,
+                             GenerateError, GenerateRequest, KVEventBatch, RequestFinished, RequestRouted,
+                             SamplingSpec, SnapshotRequest, StatusRequest, TokenBatch, TokenizedRequest,
+                             TokenOutputs, WorkerGone, WorkerHeartbeat, WorkerLoad, encode)
 from tests.reliability.cluster import MODEL, Cluster, completion, scheduler_status, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -81,10 +81,12 @@ def corpus(sink: str) -> dict[str, list[msgspec.Struct]]:
                       AbortRequest("fz-g")],
         "tokenizer-stream": [TokenBatch("fz-w", [TokenOutputs("fz-g", 0, [1, 2], None, None, 3, 0),
                                                  TokenOutputs("fz-g", 0, [], None, "stop", 3, 0)]),
-                             GenerateError("fz-g", 500, "server_error", "x")],
+                             GenerateError("fz-g", 500, "server_error", "x", worker_lost=True),
+                             RequestRouted("fz-g", "fz-w")],
         "scheduler": [tokenized, AbortRequest("fz-t"),
                       WorkerHeartbeat("fz-phantom", "i1", sink, MODEL, "mixed", 16, load),
-                      RequestFinished("fz-t", "fz-phantom"), WorkerGone("fz-phantom"), StatusRequest()],
+                      RequestFinished("fz-t", "fz-phantom"), WorkerGone("fz-phantom"), StatusRequest(),
+                      AdoptRequest("fz-a", "fz-phantom", sink), AbortRequest("fz-a", worker_id="fz-phantom")],
         "worker": [tokenized, AbortRequest("fz-t"), SnapshotRequest(sink)],
         "cache_index": [KVEventBatch("fz-phantom", sink, "i1", 0, [BlocksStored([1, 2], None, [0] * 32, 16),
                                                                   BlocksRemoved([1])]),

@@ -114,7 +114,8 @@ def peers() -> Iterator[Peers]:
     worker = _socket(ctx, zmq.PUSH, connect=addrs["stream"])
     argv = [sys.executable, "-m", "services.tokenizer", "--tokenizer-addr", addrs["tok"],
             "--stream-addr", addrs["stream"], "--scheduler-addrs", addrs["sched"],
-            "--max-prompt-tokens", str(MAX_PROMPT_TOKENS)]
+            "--max-prompt-tokens", str(MAX_PROMPT_TOKENS),
+            "--scheduler-ping-interval-s", "600", "--scheduler-timeout-s", "3600"]  # the fake does not answer pings
     process = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "RADIXSERVE_LOG_JSON": "1"})
     try:
         yield Peers(process, addrs["stream"], gateway, scheduler, worker)
@@ -187,7 +188,7 @@ def test_stop_string_ends_the_sample_and_aborts_at_the_scheduler(peers: Peers) -
     chunks = peers.chunks("stop-1")
     assert [c.text for c in chunks] == ["Hello", " world", ",", " ", ""]
     assert chunks[-1].finish_reason == "stop" and chunks[-1].token_ids == [1112]
-    assert peers.aborts("stop-1") == [AbortRequest("stop-1", reason="stop")]
+    assert peers.aborts("stop-1") == [AbortRequest("stop-1", reason="stop", worker_id="w0")]
     peers.push("stop-1", STOP_TEXT_IDS[5:], finish_reason="abort")
     assert peers.gateway.take_all(lambda m: m.request_id == "stop-1") == []
 
@@ -202,7 +203,7 @@ def test_stop_of_one_sample_aborts_only_when_all_samples_ended(peers: Peers) -> 
     peers.push("stop-n2", STOP_TEXT_IDS[:1], index=1, finish_reason="length")
     last = peers.gateway.take(lambda m: m.request_id == "stop-n2")
     assert (last.index, last.text, last.finish_reason) == (1, "Hello", "length")
-    assert peers.aborts("stop-n2") == [AbortRequest("stop-n2", reason="stop")]
+    assert peers.aborts("stop-n2") == [AbortRequest("stop-n2", reason="stop", worker_id="w0")]
 
 
 def test_gateway_abort_is_forwarded_and_the_request_forgotten(peers: Peers) -> None:
