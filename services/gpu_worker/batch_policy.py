@@ -77,8 +77,8 @@ class BatchPolicy:
         for seq in decodes_first:
             if budget == 0:
                 break
-            if seq.status is not SeqStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if seq.status is not SeqStatus.RUNNING or seq.stops_when_resolved:
+                continue  # preempted earlier in this loop, or ends with the token still on the device
             num_new = min(seq.num_uncomputed, budget)
             if self._reserve_or_preempt(seq, num_new, plan, now):
                 plan.items.append(ScheduledItem(seq, num_new, num_new == seq.num_uncomputed))
@@ -123,7 +123,7 @@ class BatchPolicy:
     def _block_hashes(self, seq: Sequence) -> list[int]:
         """Chained hashes of seq's full pages, extended as its tokens grow (cached on the sequence)."""
         known = seq.block_hashes
-        num_full = seq.num_tokens // self.page_size
+        num_full = seq.num_known_tokens // self.page_size  # NOTE: never hash a pending placeholder
         if len(known) < num_full:
             start = len(known) * self.page_size
             known.extend(hash_blocks(seq.token_ids[start:num_full * self.page_size], self.page_size,
@@ -135,14 +135,16 @@ class BatchPolicy:
             return False
         next_page = seq.num_computed // self.page_size
         num_cacheable = (seq.num_tokens - 1) // self.page_size  # the pages match_prefix could reuse
-        return next_page < num_cacheable and self._block_hashes(seq)[next_page] in in_flight
+        hashes = self._block_hashes(seq)
+        return next_page < min(num_cacheable, len(hashes)) and hashes[next_page] in in_flight
 
     def _reserve_or_preempt(self, seq: Sequence, num_new: int, plan: StepPlan, now: float) -> bool:
         """Give seq pages for num_new more tokens, evicting cache then preempting newer sequences."""
         scheduled = None  # built only when the pool runs dry: O(B) per step, not O(B^2)
         while not self._reserve(seq, num_new):
             scheduled = scheduled or {id(item.seq) for item in plan.items}
-            victims = [s for s in self.running if id(s) not in scheduled and s is not seq]
+            victims = [s for s in self.running
+                       if id(s) not in scheduled and s is not seq and not s.stops_when_resolved]
             victim = victims[-1] if victims else seq
             self.preempt(victim, now)
             plan.preempted.append(victim)
@@ -208,19 +210,31 @@ class BatchPolicy:
 
     def after_step(self, plan: StepPlan, now: float) -> None:
         """Advance each scheduled sequence past its computed chunk and cache its newly full pages."""
+        for seq in self.advance(plan):
+            self._cache_computed(seq, now)
+
+    def advance(self, plan: StepPlan) -> list[Sequence]:
+        """Advance each scheduled sequence past its chunk; returns those that filled a page (to cache)."""
+        filled = []
         for item in plan.items:
             seq = item.seq
             num_full_before = seq.num_computed // self.page_size
             seq.num_computed += item.num_new_tokens
             if seq.num_computed // self.page_size > num_full_before:
-                self._cache_computed(seq, now)
+                filled.append(seq)
+        return filled
+
+    def cache_computed(self, seq: Sequence, now: float) -> None:
+        """Cache a running sequence's computed full pages (after advance(), once their tokens are known)."""
+        if seq.status is SeqStatus.RUNNING:
+            self._cache_computed(seq, now)
 
     def _cache_computed(self, seq: Sequence, now: float) -> None:
         """Insert seq's computed full pages into the radix cache, and share the cache's copy of any
         page another sequence computed first (the duplicate returns to the pool)."""
         if not self.cache.is_enabled:
             return
-        computed = seq.token_ids[: seq.num_computed]
+        computed = seq.token_ids[: min(seq.num_computed, seq.num_known_tokens)]
         num_full = len(computed) // self.page_size
         result = self.cache.insert(computed, seq.page_ids[:num_full], now)
         self.cache.lock(result.node)
@@ -292,9 +306,13 @@ class BatchPolicy:
 
     def fork(self, parent: Sequence, children: list[Sequence]) -> list[PageCopy]:
         """Start n-1 siblings right after parent's prompt: they share its full pages and get a private
-        copy of its partial last page. A child that finds no page waits and recomputes instead."""
-        num_full = parent.num_computed // self.page_size
-        has_partial = parent.num_computed % self.page_size != 0
+        copy of its partial last page. A child that finds no page waits and recomputes instead.
+
+        The children start from the prompt's KV (the parent may already have computed its own first
+        token's KV into the partial page: each child overwrites that slot with its own token's)."""
+        num_prompt = parent.num_prompt_tokens
+        num_full = num_prompt // self.page_size
+        has_partial = num_prompt % self.page_size != 0
         copies: list[PageCopy] = []
         for child in children:
             private = self._allocate_quietly(1 if has_partial else 0)
@@ -306,7 +324,7 @@ class BatchPolicy:
             child.page_ids = shared + private
             if has_partial:
                 copies.append(PageCopy(parent.page_ids[num_full], private[0]))
-            child.num_computed = parent.num_computed
+            child.num_computed = num_prompt
             child.num_cached_tokens = parent.num_cached_tokens
             child.was_admitted = True
             if parent.cache_node is not None:

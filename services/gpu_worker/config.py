@@ -31,6 +31,9 @@ class WorkerConfig:
     max_num_seqs: int = field(default=256, metadata={"help": "most sequences running at once"})
     max_model_len: int = field(default=0, metadata={"help": "context limit (0: the model's)"})
     enable_prefix_cache: bool = field(default=True, metadata={"help": "keep the radix prefix cache on"})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "GPUs (or CPU processes) one model is split over; this process is rank 0, ranks 1..N-1 are "
+                "spawned (mixed role only)"})
     heartbeat_interval_s: float = field(default=0.5, metadata={"help": "seconds between heartbeats"})
     transfer_addr: str = field(default="tcp://127.0.0.1:0",
                                metadata={"help": "prefill role: ROUTER address serving KV pages (stream backend)"})
@@ -53,6 +56,10 @@ class WorkerConfig:
             raise ValueError(f"kv_transfer must be auto, shm, cuda_ipc or stream, not {self.kv_transfer!r}")
         if self.lease_ttl_s <= 0 or self.num_pull_threads < 1:
             raise ValueError("lease_ttl_s must be > 0 and num_pull_threads >= 1")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be >= 1")
+        if self.tensor_parallel_size > 1 and self.role != "mixed":
+            raise ValueError(f"tensor parallelism runs the mixed role only, not {self.role!r} (no PD handoff yet)")
 
     @property
     def scheduler_addr_list(self) -> list[str]:
@@ -71,4 +78,5 @@ class WorkerConfig:
                             num_pages=self.num_pages or None,
                             max_num_batched_tokens=self.max_num_batched_tokens,
                             max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len or None,
-                            enable_prefix_cache=self.enable_prefix_cache, seed=self.seed)
+                            enable_prefix_cache=self.enable_prefix_cache, seed=self.seed,
+                            tensor_parallel_size=self.tensor_parallel_size)

@@ -10,6 +10,8 @@ Steps with a prefill chunk, more sequences than the largest bucket, or a sequenc
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -33,10 +35,14 @@ class DecodeGraphs:
         bm = self.max_batch
         size = 4 * bm + bm * self.width
         device = kv.k.device
-        self.host = torch.zeros(size, dtype=torch.int32).pin_memory()
-        self.host_np = self.host.numpy()
-        self.host_np[3 * bm: 4 * bm] = 1  # padding rows: seq_len 1
-        self.dev = self.host.to(device)
+        # Two pinned staging buffers, used in turn: in overlap mode the host fills one for step N+1 while the
+        # copy out of the other may still be queued behind step N on the GPU (each waits on its own event).
+        self.hosts = [torch.zeros(size, dtype=torch.int32).pin_memory() for _ in range(2)]
+        for host in self.hosts:
+            host.numpy()[3 * bm: 4 * bm] = 1  # padding rows: seq_len 1
+        self.copied = [torch.cuda.Event(), torch.cuda.Event()]
+        self.turn = 0
+        self.dev = self.hosts[0].to(device)
         self.input_ids, self.positions = self.dev[:bm], self.dev[bm: 2 * bm]  # [bm] int32 each
         self.slots, self.seq_lens = self.dev[2 * bm: 3 * bm], self.dev[3 * bm: 4 * bm]
         self.page_table = self.dev[4 * bm:].view(bm, self.width)  # [bm, W] int32
@@ -70,9 +76,10 @@ class DecodeGraphs:
             self.graphs[bucket] = graph
         torch.cuda.synchronize()
 
-    def try_forward(self, items: list[ScheduledItem]) -> torch.Tensor | None:
+    def try_forward(self, items: list[ScheduledItem],
+                    feed: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor | None:
         """Replay the graph for a decode-only step → logits [B, vocab] fp32 (valid until the next replay);
-        None when the step must run eager."""
+        None when the step must run eager. feed(input_ids) writes tokens still on the device (overlap mode)."""
         num_seqs = len(items)
         if num_seqs > self.max_batch or not all(it.num_new_tokens == 1 and it.is_sampling for it in items):
             return None
@@ -80,7 +87,10 @@ class DecodeGraphs:
         if any(len(it.seq.page_ids) > width for it in items):
             return None
         bucket = next(b for b in self.buckets if b >= num_seqs)
-        h = self.host_np
+        self.turn ^= 1
+        host = self.hosts[self.turn]
+        self.copied[self.turn].synchronize()  # its last copy to the device is done (an unrecorded event: at once)
+        h = host.numpy()
         positions = [it.seq.num_computed for it in items]
         h[:num_seqs] = [it.seq.token_ids[p] for it, p in zip(items, positions)]
         h[bm: bm + num_seqs] = positions
@@ -95,7 +105,10 @@ class DecodeGraphs:
             pages = it.seq.page_ids
             table[i, : len(pages)] = pages
         num_words = 4 * bm + bucket * width
-        self.dev[:num_words].copy_(self.host[:num_words], non_blocking=True)
+        self.dev[:num_words].copy_(host[:num_words], non_blocking=True)
+        self.copied[self.turn].record()
+        if feed is not None:
+            feed(self.input_ids)
         self.graphs[bucket].replay()
         self.num_replays += 1
         return self.logits[bucket][:num_seqs]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,8 +19,14 @@ from services.gpu_worker.model.llama import LlamaForCausalLM
 from services.gpu_worker.model.loader import LoadedModel, load_model
 from services.gpu_worker.radix_cache import RadixCache
 from services.gpu_worker.request import FinishReason, SamplingParams, TokenLogprob, TokenOutput
-from services.gpu_worker.sampler import Sampler, SamplingRow, make_generator
+from services.gpu_worker.sampler import SampledBatch, Sampler, SamplingRow, make_generator, needs_history
 from services.gpu_worker.sequence import Sequence, SeqStatus
+from services.gpu_worker.staging import to_device
+
+if TYPE_CHECKING:
+    from services.gpu_worker.parallel.state import TensorParallelGroup
+
+PENDING_TOKEN = -1  # placeholder in token_ids for a token sampled on the device, not yet read by the host
 
 
 @dataclass
@@ -65,6 +72,18 @@ class ImportPlan:
         return list(range(self.num_reused_pages, len(self.page_ids)))
 
 
+@dataclass
+class LaunchedStep:
+    """A step queued on the device whose sampled tokens the host has not read yet (see Engine.step)."""
+
+    sample: SampledBatch | None
+    seqs: list[Sequence]  # one per sampled row (new n > 1 siblings included)
+    positions: list[int]  # where each row's token goes in its sequence's token_ids
+    forks: list[tuple[Sequence, list[Sequence]]]
+    uncached: list[Sequence]  # filled a page ending with the previous step's (then pending) token
+    needs_history: bool  # a row has penalties: its token must reach the host before the next sampling
+
+
 @dataclass(frozen=True)
 class EngineStats:
     num_running: int
@@ -80,24 +99,38 @@ class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self.device = torch.device(config.resolved_device())
+        self.tp = self._join_tensor_parallel(config)  # None unless tensor_parallel_size > 1
         dtype = config.resolved_dtype()
+        owns_weights = loaded is None
         loaded = loaded or load_model(config.model, dtype=dtype, device=self.device, seed=config.seed)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.model = LlamaForCausalLM(loaded.config).to(device=self.device, dtype=dtype)
-        self.model.load_weights(loaded.state_dict)
+        self.model = LlamaForCausalLM(loaded.config, self.tp).to(device=self.device, dtype=dtype)
+        self.model.load_weights(loaded.state_dict)  # under TP: this rank's slices of the full weights
+        if self.tp is not None and owns_weights:
+            loaded.state_dict.clear()  # the full copy goes before the KV pool is sized from free memory
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
         self.model.inv_freq = self.model.inv_freq.float()
         self.model.eval()
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
         self.num_pages = config.resolved_num_pages(loaded.config, dtype, self.device)
+        if self.tp is not None:
+            self.num_pages = self.tp.min_over_ranks(self.num_pages)  # every rank must plan with the same pool
         # A sequence, even running alone, never holds more tokens than the whole pool's slots.
         self.max_seq_len = min(self.max_model_len, (self.num_pages - 1) * config.page_size)
         self.kv = KVCache(loaded.config.num_layers, self.num_pages, config.page_size,
-                          loaded.config.num_kv_heads, loaded.config.head_dim, dtype, self.device)
+                          loaded.config.num_kv_heads // config.tensor_parallel_size, loaded.config.head_dim,
+                          dtype, self.device)
         self.pool = BlockPool(self.num_pages)
-        self.cache = RadixCache(self.pool, config.page_size, loaded.config.model_id,
-                                is_enabled=config.enable_prefix_cache)
+        cache_cls = RadixCache
+        if self.tp is not None:
+            from services.gpu_worker.parallel.tp_engine import LockstepRadixCache  # LRU stamps: rank 0's clock
+
+            cache_cls = LockstepRadixCache
+        self.cache = cache_cls(self.pool, config.page_size, loaded.config.model_id,
+                               is_enabled=config.enable_prefix_cache)
         self.policy = BatchPolicy(self.pool, self.cache, config.page_size, config.max_num_batched_tokens,
                                   config.max_num_seqs, config.enable_chunked_prefill)
         self.backend = make_backend(config.attention_backend, self.device.type)
@@ -110,6 +143,18 @@ class Engine:
         self._handoffs: list[Handoff] = []
         self._next_seq_id = 0
         self._num_steps = 0
+        self.is_overlapped = config.resolved_overlap()
+        self._launched: LaunchedStep | None = None
+
+    def _join_tensor_parallel(self, config: EngineConfig) -> TensorParallelGroup | None:
+        """tensor_parallel_size > 1: this process's TP group (parallel/state.py), and its rank's device."""
+        if config.tensor_parallel_size == 1:
+            return None
+        from services.gpu_worker.parallel.state import current_group
+
+        tp = current_group(config.tensor_parallel_size)
+        self.device = tp.local_device(self.device)
+        return tp
 
     def _setup_cuda_path(self, config: EngineConfig):
         """With the Triton backend: fused kernels in the model, and decode CUDA graphs when enabled."""
@@ -233,27 +278,133 @@ class Engine:
                 self.policy.finish(seq, time.monotonic())
                 seq.finish_reason = FinishReason.ABORT
                 outputs.append(self._output(seq, []))
+            _drop_pending(seq)
         return outputs
 
     def has_unfinished(self) -> bool:
-        return self.policy.num_unfinished > 0
+        """Work is left: queued or running sequences, or a launched step with a live row to read."""
+        launched = self._launched
+        return self.policy.num_unfinished > 0 or (
+            launched is not None and any(seq.finish_reason is None for seq in launched.seqs))
+
+    def flush(self) -> list[TokenOutput]:
+        """Read the launched step's tokens now (overlap mode), without starting another step."""
+        launched, self._launched = self._launched, None
+        return [] if launched is None else self._resolve(launched, time.monotonic())
 
     def step(self) -> list[TokenOutput]:
-        """Run one batch of mixed prefill chunks and decodes; return the tokens it produced."""
+        """Run one batch of mixed prefill chunks and decodes; return the tokens produced.
+
+        Serial mode: schedule, run, sample, read the tokens, return them. Overlap mode (on by default on
+        CUDA): schedule and queue step N+1 on the device *before* reading step N's tokens, so the host's
+        work (scheduling, building inputs, bookkeeping, the caller's output handling) runs while the GPU
+        computes. Step N's sampled tokens are fed to step N+1 on the device (placeholders on the host); a
+        sequence that step N ended (EOS, a stop id) costs one discarded row in step N+1, and one ending by
+        length or a PD hold is not scheduled again. Returns the tokens of the step that was read.
+        """
         now = time.monotonic()
+        outputs: list[TokenOutput] = []
+        previous = self._launched
+        if previous is not None and previous.needs_history:
+            outputs += self._resolve(previous, now)
+            previous = self._launched = None
         plan = self.policy.schedule(now)
-        if not plan.items:
-            return []
+        launched = self._launch(plan, now) if plan.items else None
+        if previous is not None:
+            outputs += self._resolve(previous, now)
+        if launched is not None:
+            for seq in launched.uncached:  # their newest page ends with a token `previous` just resolved
+                self.policy.cache_computed(seq, now)
+        self._launched = launched
+        if launched is not None and not self.is_overlapped:
+            outputs += self._resolve(launched, now)
+            self._launched = None
+        return outputs
+
+    def _feed_pending(self, pending: list[tuple[int, int]]):
+        """A function writing the previous step's device tokens into an input-id tensor, or None.
+
+        pending: (input index, row of the previous step's sampled tokens) for each placeholder input.
+        """
+        if not pending:
+            return None
+        assert self._launched is not None and self._launched.sample is not None, "a placeholder outlived its step"
+        tokens = self._launched.sample.tokens  # [B_prev] int64, on the device
+        index = to_device(pending, torch.long, tokens.device)  # [P, 2]
+
+        def feed(ids: torch.Tensor) -> None:
+            ids[index[:, 0]] = tokens[index[:, 1]].to(ids.dtype)
+
+        return feed
+
+    def _launch(self, plan: StepPlan, now: float) -> LaunchedStep:
+        """Queue the forward and the sampling of one step; placeholders stand for its tokens."""
         self._num_steps += 1
         logits = self._forward(plan)
-        self.policy.after_step(plan, now)
-        sampling = [item for item in plan.items if item.is_sampling]
-        return self._sample_and_advance(sampling, logits, now)
+        uncached = []
+        for seq in self.policy.advance(plan):
+            if seq.num_computed <= seq.num_known_tokens:
+                self.policy.cache_computed(seq, now)
+            else:
+                uncached.append(seq)
+        seqs: list[Sequence] = []
+        rows: list[int] = []
+        forks: list[tuple[Sequence, list[Sequence]]] = []
+        for i, item in enumerate(item for item in plan.items if item.is_sampling):
+            group = [item.seq]
+            if item.seq.params.n > 1 and item.seq.index == 0 and not item.seq.is_forked:
+                children = self._make_children(item.seq)
+                forks.append((item.seq, children))
+                group += children
+            seqs += group
+            rows += [i] * len(group)
+        if not seqs:
+            return LaunchedStep(None, [], [], [], uncached, False)
+        if forks:  # NOTE: without siblings the logit rows are the sampled rows already, in order
+            logits = logits[to_device(rows, torch.long, logits.device)]
+        sample = self.sampler.launch(logits, [_sampling_row(s) for s in seqs])
+        positions = []
+        for row, seq in enumerate(seqs):
+            positions.append(len(seq.token_ids))
+            seq.token_ids.append(PENDING_TOKEN)
+            seq.num_pending += 1
+            seq.pending_row = row
+            seq.stops_when_resolved = (seq.is_prefill_only or seq.num_output_tokens >= seq.params.max_tokens
+                                       or seq.num_tokens >= self.max_seq_len)
+        return LaunchedStep(sample, seqs, positions, forks, uncached,
+                            any(needs_history(s.params) for s in seqs))
+
+    def _resolve(self, launched: LaunchedStep, now: float) -> list[TokenOutput]:
+        """Read a launched step's tokens: stop checks, n > 1 starts, finishes, PD holds, outputs."""
+        if launched.sample is None:
+            return []
+        token_ids, logprobs = launched.sample.resolve()
+        live: list[tuple[Sequence, int, TokenLogprob | None]] = []
+        for seq, position, token_id, logprob in zip(launched.seqs, launched.positions, token_ids, logprobs):
+            if seq.finish_reason is not None:  # aborted, or ended by an earlier step's token
+                continue
+            seq.token_ids[position] = token_id
+            seq.num_pending -= 1
+            if seq.logprobs is not None and logprob is not None:
+                seq.logprobs.append(logprob)
+            seq.finish_reason = self._stop_reason(seq, token_id, position + 1)
+            live.append((seq, token_id, logprob))
+        for parent, children in launched.forks:
+            if parent.finish_reason is not FinishReason.ABORT:
+                self._start_children(parent, [c for c in children if c.finish_reason is None])
+        for seq, _, _ in live:
+            if seq.finish_reason is not None:
+                _drop_pending(seq)  # the token a later step was computing from the ending one
+                self.policy.finish(seq, now)
+            elif seq.is_prefill_only:
+                self._hold(seq, now)
+        return [self._output(seq, [t], [lp] if lp is not None else None) for seq, t, lp in live]
 
     def _forward(self, plan: StepPlan) -> torch.Tensor:
         """Run the model over every scheduled chunk; return logits of sampling chunks [B_s, V] fp32."""
         if self.graphs is not None:
-            logits = self.graphs.try_forward(plan.items)
+            pending = [(i, item.seq.pending_row) for i, item in enumerate(plan.items) if item.seq.num_pending]
+            logits = self.graphs.try_forward(plan.items, self._feed_pending(pending))
             if logits is not None:
                 return logits
         input_ids, positions, slots, query_start, seq_lens = [], [], [], [0], []
@@ -273,46 +424,22 @@ class Engine:
         table = [item.seq.page_ids + [0] * (max_pages - len(item.seq.page_ids)) for item in plan.items]
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            page_table=torch.tensor(table, dtype=torch.int32, device=dev),
+            slot_mapping=to_device(slots, torch.long, dev),
+            query_start=to_device(query_start, torch.int32, dev),
+            seq_lens=to_device(seq_lens, torch.int32, dev),
+            page_table=to_device(table, torch.int32, dev),
             query_start_host=query_start, seq_lens_host=seq_lens,
             max_query_len=max(item.num_new_tokens for item in plan.items), max_seq_len=max(seq_lens))
-        hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
-                            torch.tensor(positions, dtype=torch.long, device=dev), self.kv, meta, self.backend)
+        ids = to_device(input_ids, torch.long, dev)
+        pending = [(query_start[i + 1] - 1, item.seq.pending_row) for i, item in enumerate(plan.items)
+                   if item.seq.num_pending and seq_lens[i] == item.seq.num_tokens]
+        feed = self._feed_pending(pending)
+        if feed is not None:
+            feed(ids)
+        hidden = self.model(ids, to_device(positions, torch.long, dev), self.kv, meta, self.backend)
         if not logit_rows:
             return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32)
-        return self.model.logits(hidden[torch.tensor(logit_rows, device=dev)])
-
-    def _sample_and_advance(self, items: list[ScheduledItem], logits: torch.Tensor,
-                            now: float) -> list[TokenOutput]:
-        if not items:
-            return []
-        seqs: list[Sequence] = []
-        rows: list[int] = []
-        forks: list[tuple[Sequence, list[Sequence]]] = []
-        for i, item in enumerate(items):
-            group = [item.seq]
-            if item.seq.params.n > 1 and item.seq.index == 0 and not item.seq.is_forked:
-                children = self._make_children(item.seq)
-                forks.append((item.seq, children))
-                group += children
-            seqs += group
-            rows += [i] * len(group)
-        sampling_rows = [_sampling_row(s) for s in seqs]
-        token_ids, logprobs = self.sampler(logits[torch.tensor(rows, device=logits.device)], sampling_rows)
-        for seq, token_id, logprob in zip(seqs, token_ids, logprobs):
-            self._append_token(seq, token_id, logprob)
-        for parent, children in forks:
-            self._start_children(parent, [c for c in children if c.finish_reason is None])
-        for seq in seqs:
-            if seq.finish_reason is not None:
-                self.policy.finish(seq, now)
-            elif seq.is_prefill_only:
-                self._hold(seq, now)
-        return [self._output(seq, [t], [lp] if lp is not None else None)
-                for seq, t, lp in zip(seqs, token_ids, logprobs)]
+        return self.model.logits(hidden[to_device(logit_rows, torch.long, dev)])
 
     def _hold(self, seq: Sequence, now: float) -> None:
         self.policy.hold(seq, now)
@@ -337,19 +464,14 @@ class Engine:
         if copies:
             self.kv.copy_pages([c.src_page_id for c in copies], [c.dst_page_id for c in copies])
 
-    def _append_token(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> None:
-        seq.token_ids.append(token_id)
-        if seq.logprobs is not None and logprob is not None:
-            seq.logprobs.append(logprob)
-        seq.finish_reason = self._stop_reason(seq, token_id)
-
-    def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+    def _stop_reason(self, seq: Sequence, token_id: int, num_tokens: int) -> FinishReason | None:
+        """Why seq ends with token_id as its num_tokens-th token, or None."""
         params = seq.params
         if not params.ignore_eos and token_id in self.eos_token_ids:
             return FinishReason.STOP
         if token_id in params.stop_token_ids:
             return FinishReason.STOP
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_seq_len:
+        if num_tokens - seq.num_prompt_tokens >= params.max_tokens or num_tokens >= self.max_seq_len:
             return FinishReason.LENGTH
         return None
 
@@ -381,6 +503,7 @@ class Engine:
             self.add_request(request_id, prompt, p)
         while any(not s.is_finished for rid in ids for s in self._requests[rid]):
             self.step()
+        self.flush()  # a step launched before the last sequence ended holds only discarded rows
         results = [self._result(rid) for rid in ids]
         for rid in ids:
             self.release_finished(rid)
@@ -391,6 +514,14 @@ class Engine:
         first = seqs[0]
         return RequestResult(request_id, first.token_ids[: first.num_prompt_tokens], first.num_cached_tokens,
                              [SequenceResult(s.output_token_ids, s.finish_reason, s.logprobs) for s in seqs])
+
+
+def _drop_pending(seq: Sequence) -> None:
+    """Forget the placeholders of tokens an ended sequence will never get."""
+    if seq.num_pending:
+        del seq.token_ids[-seq.num_pending:]
+        seq.num_pending = 0
+    seq.stops_when_resolved = False
 
 
 def _sampling_row(seq: Sequence) -> SamplingRow:

@@ -29,11 +29,26 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto": triton on cuda, torch elsewhere
     enable_cuda_graphs: bool = True  # cuda + triton: replay captured decode steps (cuda_graphs.py)
     seed: int = 0  # random weights' seed for random:<preset> models
+    # Queue step N+1 before reading step N's tokens (engine.step). None: on for CUDA, where the host's work
+    # then hides behind the GPU's; off on the CPU, where it would only delay each token by one step.
+    enable_overlap: bool | None = None
+    # Ranks of one engine (parallel/): each holds 1/tp of the heads and MLP and of the KV cache. 1: no
+    # torch.distributed at all; > 1: the Engine must be built inside a rank (parallel.start_engine / launch).
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, not {self.tensor_parallel_size}")
 
     def resolved_device(self) -> str:
         if self.device == "auto":
             return "cuda" if torch.cuda.is_available() else "cpu"
         return self.device
+
+    def resolved_overlap(self) -> bool:
+        if self.enable_overlap is None:
+            return self.resolved_device().startswith("cuda")
+        return self.enable_overlap
 
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
@@ -43,12 +58,17 @@ class EngineConfig:
         return _DTYPES[self.dtype]
 
     def resolved_num_pages(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
-        """Pages in the pool (page 0 included), at least enough for one full-length sequence on cpu."""
+        """Pages in the pool (page 0 included), at least enough for one full-length sequence on cpu.
+
+        Under tensor parallelism this is one rank's pool: its pages hold num_kv_heads / tp heads, and
+        kv_cache_bytes and the free-memory budget are per rank.
+        """
         if self.num_pages is not None:
             if self.num_pages < 2:
                 raise ValueError("num_pages must be >= 2 (page 0 is reserved)")
             return self.num_pages
-        per_page = KVCache.bytes_per_page(cfg.num_layers, self.page_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+        num_kv_heads = cfg.num_kv_heads // self.tensor_parallel_size
+        per_page = KVCache.bytes_per_page(cfg.num_layers, self.page_size, num_kv_heads, cfg.head_dim, dtype)
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
             budget = free - (1 - self.gpu_memory_utilization) * total

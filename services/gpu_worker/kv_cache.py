@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from services.gpu_worker.staging import to_device
+
 
 class KVCache:
     """K and V of every layer in fixed-size pages.
@@ -33,7 +35,7 @@ class KVCache:
 
     def copy_pages(self, src_page_ids: list[int], dst_page_ids: list[int]) -> None:
         """Copy whole pages across all layers (copy-on-write of a shared partial page)."""
-        src = torch.tensor(src_page_ids, dtype=torch.long, device=self.k.device)
-        dst = torch.tensor(dst_page_ids, dtype=torch.long, device=self.k.device)
+        src = to_device(src_page_ids, torch.long, self.k.device)
+        dst = to_device(dst_page_ids, torch.long, self.k.device)
         self.k.index_copy_(1, dst, self.k.index_select(1, src))
         self.v.index_copy_(1, dst, self.v.index_select(1, src))

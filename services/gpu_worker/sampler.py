@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from services.gpu_worker.request import SamplingParams, TokenLogprob
+from services.gpu_worker.staging import to_device
 
 # Temperatures below this are treated as greedy (dividing by them would overflow fp32).
 GREEDY_EPS = 1e-5
@@ -47,7 +48,7 @@ def _is_greedy(params: SamplingParams) -> bool:
 def _padded_ids(seqs: list[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
     width = max((len(s) for s in seqs), default=0)
     rows = [list(s) + [pad] * (width - len(s)) for s in seqs]
-    return torch.tensor(rows, dtype=torch.long, device=device).reshape(len(seqs), width)  # [b, L]
+    return to_device(rows, torch.long, device).reshape(len(seqs), width)  # [b, L]
 
 
 def _token_counts(seqs: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -60,7 +61,7 @@ def _token_counts(seqs: list[Sequence[int]], vocab: int, device: torch.device) -
 
 
 def _row_tensor(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)  # [b, 1]
+    return to_device(values, torch.float32, device).unsqueeze(1)  # [b, 1]
 
 
 def _apply_repetition(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -71,7 +72,7 @@ def _apply_repetition(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     seqs = [list(rows[i].prompt_token_ids) + list(rows[i].output_token_ids) for i in idx]
     seen = _token_counts(seqs, vocab, device) > 0  # [b, V]
     penalty = _row_tensor([rows[i].params.repetition_penalty for i in idx], device)  # [b, 1]
-    index = torch.tensor(idx, device=device)
+    index = to_device(idx, torch.long, device)
     sub = logits[index]  # [b, V]
     penalized = torch.where(sub < 0, sub * penalty, sub / penalty)
     logits[index] = torch.where(seen, penalized, sub)
@@ -85,12 +86,14 @@ def _apply_frequency_presence(logits: torch.Tensor, rows: list[SamplingRow]) -> 
     counts = _token_counts([rows[i].output_token_ids for i in idx], vocab, device)  # [b, V]
     freq = _row_tensor([rows[i].params.frequency_penalty for i in idx], device)  # [b, 1]
     pres = _row_tensor([rows[i].params.presence_penalty for i in idx], device)  # [b, 1]
-    index = torch.tensor(idx, device=device)
+    index = to_device(idx, torch.long, device)
     logits[index] = logits[index] - freq * counts - pres * (counts > 0).float()
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Repetition (over prompt + output) then frequency/presence (over output) penalties; returns new fp32 logits."""
+    if not any(needs_history(r.params) for r in rows):
+        return logits.float()  # NOTE: no copy when nothing is penalised (callers do not write into it)
     out = logits.float().clone()  # [B, V] fp32
     _apply_repetition(out, rows)
     _apply_frequency_presence(out, rows)
@@ -105,11 +108,11 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=False)  # [b, V] ascending
     if use_k:
-        k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=device)  # [b]
+        k = to_device([min(k, vocab) if k > 0 else vocab for k in top_k], torch.long, device)  # [b]
         kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))  # [b, 1]
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     if use_p:
-        p = torch.tensor(top_p, dtype=torch.float32, device=device).unsqueeze(1)  # [b, 1]
+        p = to_device(top_p, torch.float32, device).unsqueeze(1)  # [b, 1]
         cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [b, V]
         drop = (cum <= 1.0 - p) & (p < 1.0)
         drop[:, -1] = False
@@ -130,7 +133,7 @@ def _exponential_noise(probs: torch.Tensor, gens: list[torch.Generator | None]) 
     noise = torch.empty_like(probs)  # [b, V]
     unseeded = [i for i, g in enumerate(gens) if g is None]
     if unseeded:
-        index = torch.tensor(unseeded, device=probs.device)
+        index = to_device(unseeded, torch.long, probs.device)
         noise[index] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
     for i, gen in enumerate(gens):
         if gen is not None:
@@ -155,36 +158,83 @@ def _next_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     tokens = logits.argmax(dim=-1)  # [B]
     sampled = [i for i, r in enumerate(rows) if not _is_greedy(r.params)]
     if sampled:
-        index = torch.tensor(sampled, device=logits.device)
+        index = to_device(sampled, torch.long, logits.device)
         tokens[index] = _sample(logits[index], [rows[i] for i in sampled])
     return tokens
 
 
-def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> list[TokenLogprob | None]:
+def _logprob_tensors(raw: torch.Tensor, tokens: torch.Tensor,
+                     rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The chosen tokens' raw-logit log-probabilities [B] and the top max-k alternatives [B, k] (values, ids)."""
     wanted = [r.params.logprobs for r in rows]
     if all(k is None for k in wanted):
-        return [None] * len(rows)
+        return None
     logprobs = raw.float().log_softmax(dim=-1)  # [B, V] fp32
-    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)  # [B]
     max_k = min(max(k or 0 for k in wanted), logprobs.shape[1])
     top_vals, top_ids = logprobs.topk(max_k, dim=-1)  # [B, max_k]
-    top_vals, top_ids, token_list = top_vals.tolist(), top_ids.tolist(), tokens.tolist()
-    return [
-        None
-        if k is None
-        else TokenLogprob(token_list[i], chosen[i], list(zip(top_ids[i][:k], top_vals[i][:k])))
-        for i, k in enumerate(wanted)
-    ]
+    return chosen, top_vals, top_ids
+
+
+class SampledBatch:
+    """One step's sampled tokens, still on the device; resolve() brings them to the host.
+
+    On CUDA the results are copied into pinned host memory behind an event right after sampling, so the
+    host can queue the next step's work before it waits for these tokens (the engine's overlap mode).
+    `tokens` stays on the device: the next step can feed it as input before the host has seen it.
+    """
+
+    def __init__(self, tokens: torch.Tensor, logprobs: tuple[torch.Tensor, ...] | None,
+                 wanted: list[int | None]) -> None:
+        self.tokens = tokens  # [B] int64 on the device
+        self._wanted = wanted
+        device_tensors = [tokens] if logprobs is None else [tokens, *logprobs]
+        if tokens.device.type == "cuda":
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in device_tensors]
+            for host, dev in zip(self._host, device_tensors):
+                host.copy_(dev, non_blocking=True)
+            self._event: torch.cuda.Event | None = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host, self._event = device_tensors, None
+        self._resolved: tuple[list[int], list[TokenLogprob | None]] | None = None
+
+    def resolve(self) -> tuple[list[int], list[TokenLogprob | None]]:
+        """Wait for this step's tokens (only this step's: later queued work keeps running)."""
+        if self._resolved is None:
+            if self._event is not None:
+                self._event.synchronize()
+            token_list = self._host[0].tolist()
+            if len(self._host) == 1:
+                logprobs: list[TokenLogprob | None] = [None] * len(token_list)
+            else:
+                chosen, top_vals, top_ids = (t.tolist() for t in self._host[1:])
+                logprobs = [None if k is None else
+                            TokenLogprob(token_list[i], chosen[i], list(zip(top_ids[i][:k], top_vals[i][:k])))
+                            for i, k in enumerate(self._wanted)]
+            self._resolved = token_list, logprobs
+        return self._resolved
+
+
+def needs_history(params: SamplingParams) -> bool:
+    """Penalties read the sequence's earlier tokens, so its last token must be on the host first."""
+    return params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
 
 
 class Sampler:
     """Picks one token per row from one step's logits and reports raw-logit logprobs."""
+
+    def launch(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampledBatch:
+        """Queue the sampling of one token per row on the logits' device; nothing waits for the GPU."""
+        if logits.shape[0] != len(rows):
+            raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sampling rows")
+        penalized = apply_penalties(logits, rows)  # [B, V] fp32
+        tokens = _next_tokens(penalized, rows)  # [B]
+        return SampledBatch(tokens, _logprob_tensors(logits, tokens, rows), [r.params.logprobs for r in rows])
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sampling rows")
         if not rows:
             return [], []
-        penalized = apply_penalties(logits, rows)  # [B, V] fp32
-        tokens = _next_tokens(penalized, rows)  # [B]
-        return tokens.tolist(), _logprobs(logits, tokens, rows)
+        return self.launch(logits, rows).resolve()

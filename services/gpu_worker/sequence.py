@@ -47,6 +47,11 @@ class Sequence:
     was_admitted: bool = False
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full pages (see batch_policy)
     is_prefill_only: bool = False  # PD prefill side: after the first token, hold the prompt's pages (a lease)
+    # Overlap mode: the last num_pending entries of token_ids are placeholders for tokens sampled on the
+    # device and not yet seen by the host; pending_row is the newest one's row in its step's token tensor.
+    num_pending: int = 0
+    pending_row: int = -1
+    stops_when_resolved: bool = False  # its pending token ends it whatever its value (length, PD hold)
 
     @property
     def num_tokens(self) -> int:
@@ -59,6 +64,11 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose values the host has (all but the pending placeholders)."""
+        return len(self.token_ids) - self.num_pending
 
     @property
     def num_uncomputed(self) -> int:

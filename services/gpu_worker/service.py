@@ -18,6 +18,7 @@ from services.gpu_worker.engine_loop import (AbortCommand, AddCommand, EngineLoo
 from services.gpu_worker.handoff import HandoffSettings
 from services.gpu_worker.kv_transfer.export import ExportedPool, export_pool
 from services.gpu_worker.kv_transfer.stream import PageServer
+from services.gpu_worker.parallel.tp_engine import LockstepEngine, start_engine
 from shared import hashing, transport
 from shared.actor import Actor
 from shared.messages import (AbortRequest, KVReady, PrefillRequest, ReleaseLease, SnapshotRequest,
@@ -46,6 +47,7 @@ class WorkerService(Actor):
         self._worker_addr = config.worker_addr
         self._page_server: PageServer | None = None
         self._exported: ExportedPool | None = None
+        self._tp_engine: LockstepEngine | None = None  # tensor_parallel_size > 1: rank 0, its followers spawned
         self._handlers = {TokenizedRequest: self._on_request, AbortRequest: self._on_abort,
                           SnapshotRequest: self._on_snapshot, PrefillRequest: self._on_prefill,
                           KVReady: self._on_kv_ready, ReleaseLease: self._on_release}
@@ -70,8 +72,11 @@ class WorkerService(Actor):
         log.info("ready", worker_id=self.worker_id, addr=self._worker_addr, model_id=engine.model_config.model_id,
                  device=str(engine.device), num_pages=engine.num_pages, incarnation=self.incarnation)
 
-    async def _load_engine(self) -> Engine:
-        """Build the engine in a thread, printing a progress line on stderr until it is ready."""
+    async def _load_engine(self) -> Engine | LockstepEngine:
+        """Build the engine in a thread, printing a progress line on stderr until it is ready.
+
+        With tensor_parallel_size > 1 this process is rank 0 (a LockstepEngine), ranks 1..N-1 are spawned.
+        """
         started = time.monotonic()
 
         async def progress() -> None:
@@ -82,11 +87,13 @@ class WorkerService(Actor):
 
         reporter = asyncio.ensure_future(progress())
         try:
-            engine = await asyncio.to_thread(Engine, self.config.engine_config())
+            engine = await asyncio.to_thread(start_engine, self.config.engine_config())
         finally:
             reporter.cancel()
         print(f"gpu_worker {self.worker_id}: model loaded in {time.monotonic() - started:.1f}s",
               file=sys.stderr, flush=True)
+        if isinstance(engine, LockstepEngine):
+            self._tp_engine = engine
         return engine
 
     def _handoff_settings(self, engine: Engine) -> HandoffSettings:
@@ -161,8 +168,10 @@ class WorkerService(Actor):
 
     async def close(self) -> None:
         """Fail what is in flight, flush its messages, say WorkerGone, and close every socket."""
+        is_engine_idle = True
         if self.engine_loop is not None:
             if not await asyncio.to_thread(self.engine_loop.stop, STOP_TIMEOUT_S):
+                is_engine_idle = False
                 log.error("engine thread did not stop in time", timeout_s=STOP_TIMEOUT_S)
             await asyncio.sleep(0)  # run the engine thread's last call_soon_threadsafe deliveries
             while not self._outbox.empty():
@@ -171,6 +180,9 @@ class WorkerService(Actor):
             await self._to_schedulers(gone)
             if self.config.cache_index_addr:
                 await self._pushes.send(self.config.cache_index_addr, gone)
+        if self._tp_engine is not None:  # NOTE: only once the engine thread is out of its step (one caller)
+            if not is_engine_idle or not await asyncio.to_thread(self._tp_engine.shutdown):
+                log.error("tensor-parallel followers did not stop cleanly")  # they are daemons: they end with us
         if self._page_server is not None:
             self._page_server.close()
         if self._exported is not None:

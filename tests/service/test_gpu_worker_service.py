@@ -137,7 +137,7 @@ class Worker:
 
 
 @contextlib.contextmanager
-def _running_worker() -> Iterator[Worker]:
+def _running_worker(*extra_argv: str) -> Iterator[Worker]:
     ipc_dir = Path(tempfile.mkdtemp(prefix="rsw"))  # short: ipc:// paths are limited to ~100 bytes
     ctx = zmq.Context()
     addrs = {name: f"ipc://{ipc_dir / name}" for name in ("worker", "sched", "stream", "index")}
@@ -147,7 +147,7 @@ def _running_worker() -> Iterator[Worker]:
     argv = [sys.executable, "-m", "services.gpu_worker", "--worker-id", WORKER_ID,
             "--worker-addr", addrs["worker"], "--scheduler-addrs", addrs["sched"],
             "--cache-index-addr", addrs["index"], "--model", MODEL, "--device", "cpu",
-            "--page-size", str(PAGE), "--num-pages", str(NUM_PAGES), "--heartbeat-interval-s", "0.1"]
+            "--page-size", str(PAGE), "--num-pages", str(NUM_PAGES), "--heartbeat-interval-s", "0.1", *extra_argv]
     process = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "RADIXSERVE_LOG_JSON": "1"})
     push = ctx.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 0)
@@ -395,3 +395,20 @@ def test_sigterm_fails_in_flight_requests_and_exits_0(fresh_worker: Worker) -> N
     assert worker.finished("cut") == RequestFinished("cut", WORKER_ID)
     assert worker.scheduler.take(lambda m: isinstance(m, WorkerGone)) == WorkerGone(WORKER_ID)
     assert worker.index.take(lambda m: isinstance(m, WorkerGone)) == WorkerGone(WORKER_ID)
+
+
+def test_a_tensor_parallel_worker_answers_with_the_single_rank_tokens() -> None:
+    """--tensor-parallel-size 2 on the CPU: this process is rank 0, rank 1 a spawned follower (gloo)."""
+    import psutil
+
+    prompt = _prompt(37, seed=4)
+    with _running_worker("--tensor-parallel-size", "2") as worker:
+        followers = psutil.Process(worker.process.pid).children(recursive=True)
+        worker.request("tp", prompt, max_tokens=9, temperature=0.0, ignore_eos=True)
+        outputs = worker.outputs("tp")
+        assert worker.finished("tp") == RequestFinished("tp", WORKER_ID)
+        worker.process.send_signal(signal.SIGTERM)
+        assert worker.process.wait(30) == 0
+    expected = _engine().generate([prompt], SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True))
+    assert _tokens(outputs) == expected[0].samples[0].token_ids
+    assert followers and not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in followers)

@@ -15,6 +15,7 @@ from services.gpu_worker.model.loader import LoadedModel, load_model
 from services.gpu_worker.request import FinishReason, SamplingParams, TokenOutput
 from shared.hashing import hash_blocks
 from shared.messages import BlocksRemoved, BlocksStored, KVEvent
+from tests.unit.step_modes import MODE, step_mode  # noqa: F401 - step_mode: autouse, both modes
 
 PAGE = 4
 VOCAB = 512  # tiny-llama
@@ -33,6 +34,7 @@ def _with_eos(eos: tuple[int, ...]) -> LoadedModel:
 
 def _engine(loaded: LoadedModel | None = None, **overrides: object) -> Engine:
     settings = dict(model="random:tiny-llama", device="cpu", dtype="float32", num_pages=256, page_size=PAGE)
+    settings["enable_overlap"] = MODE["overlap"]
     return Engine(EngineConfig(**{**settings, **overrides}), loaded=loaded or _with_eos(()))
 
 
@@ -262,7 +264,7 @@ def _step_counts(outputs: list[TokenOutput]) -> dict[str, int]:
 
 
 def test_chunked_prefill_does_not_stall_decodes() -> None:
-    engine = _engine(max_num_batched_tokens=8)
+    engine = _engine(max_num_batched_tokens=8, enable_overlap=False)  # serial: a step's tokens come back from it
     engine.add_request("decode", _prompt(6), _greedy(100))
     assert _step_counts(engine.step()) == {"decode": 1}
     engine.add_request("prefill", _prompt(100, seed=6), _greedy(3))
@@ -318,3 +320,37 @@ def test_followers_wait_for_a_leader_prefilling_in_chunks() -> None:
     assert [r.num_cached_tokens for r in results] == [0, 40, 40]
     assert [r.samples[0].token_ids for r in results] == [_tokens(_engine(), p, _greedy(3, ignore_eos=True))
                                                          for p in prompts]
+
+
+# --- overlap mode -------------------------------------------------------------------------------
+
+
+def test_overlap_queues_the_next_step_before_reading_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Overlap mode: step N+1 is launched before step N's tokens are read (the host's work runs while the
+    device computes); a sequence ending by length is not scheduled again, one ending by a stop id costs one
+    discarded row; the tokens are those of serial mode."""
+    from services.gpu_worker import sampler
+
+    prompt_a, prompt_b = _prompt(9, seed=4), _prompt(7, seed=5)
+    serial = _engine(enable_overlap=False)
+    full_a, full_b = _tokens(serial, prompt_a, _greedy(3)), _tokens(serial, prompt_b, _greedy(8))
+    stop_at = _first_new_token_index(full_b)
+
+    engine = _engine(enable_overlap=True)
+    events: list[str] = []
+    forward, resolve = engine._forward, sampler.SampledBatch.resolve
+    monkeypatch.setattr(engine, "_forward", lambda plan: events.append(f"forward{len(plan.items)}") or forward(plan))
+    monkeypatch.setattr(sampler.SampledBatch, "resolve", lambda self: events.append("read") or resolve(self))
+    engine.add_request("len", prompt_a, _greedy(3))
+    engine.add_request("stop", prompt_b, _greedy(8, stop_token_ids=(full_b[stop_at],)))
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert events[:4] == ["forward2", "forward2", "read", "forward2"]  # step 2 queued before step 1 was read
+    tokens = {rid: [t for o in outputs if o.request_id == rid for t in o.token_ids] for rid in ("len", "stop")}
+    assert tokens == {"len": full_a, "stop": full_b[: stop_at + 1]}
+    # "len" is not run after its 3rd token was sampled; "stop" runs one step past its stop token
+    num_forwards = [int(e[len("forward"):]) for e in events if e.startswith("forward")]
+    assert num_forwards == [2, 2, 2] + [1] * (stop_at + 1 - 2)
+    engine.flush()
+    _assert_idle(engine)

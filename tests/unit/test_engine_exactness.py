@@ -12,6 +12,7 @@ from services.gpu_worker.engine_config import EngineConfig
 from services.gpu_worker.model.loader import load_model
 from services.gpu_worker.request import FinishReason, SamplingParams
 from tests.reference import hf_greedy, hf_model
+from tests.unit.step_modes import MODE, step_mode  # noqa: F401 - step_mode: autouse, both modes
 
 PRESETS = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-smollm2"]
 NUM_NEW = 10
@@ -39,6 +40,7 @@ def _reference(preset: str, shared: int = 0) -> tuple[list[list[int]], list[tupl
 
 def _engine(preset: str, **overrides) -> Engine:
     settings = dict(model=f"random:{preset}", device="cpu", dtype="float32", num_pages=512, page_size=4)
+    settings["enable_overlap"] = MODE["overlap"]
     config = EngineConfig(**{**settings, **overrides})
     return Engine(config, loaded=_loaded(preset))
 
@@ -128,7 +130,8 @@ def test_n_samples_share_prompt_pages() -> None:
     prompt = list(range(1, 42))
     engine = _engine("tiny-llama", enable_prefix_cache=False)
     engine.add_request("n4", prompt, SamplingParams(max_tokens=3, temperature=0.0, n=4, ignore_eos=True))
-    engine.step()  # prefill once, fork into 4
+    while len(engine.policy.running) < 4:  # prefill once, fork into 4 (overlap: once the token is read)
+        engine.step()
     # 41 prompt tokens = 10 full pages shared + 1 partial page per sample, + nothing else
     assert engine.pool.num_used == 10 + 4
     while engine.has_unfinished():

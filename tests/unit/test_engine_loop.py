@@ -19,10 +19,10 @@ INDEX = "ipc://index"
 IDENTITY = WorkerIdentity("w0", "ipc://w0", "inc-1", INDEX)
 
 
-@pytest.fixture
-def loop() -> Iterator[tuple[EngineLoop, queue.SimpleQueue]]:
+@pytest.fixture(params=[False, True], ids=["serial", "overlap"])
+def loop(request: pytest.FixtureRequest) -> Iterator[tuple[EngineLoop, queue.SimpleQueue]]:
     engine = Engine(EngineConfig(model="random:tiny-llama", device="cpu", dtype="float32", page_size=4,
-                                 num_pages=64))
+                                 num_pages=64, enable_overlap=request.param))
     delivered: queue.SimpleQueue[Envelope] = queue.SimpleQueue()
     engine_loop = EngineLoop(engine, IDENTITY, lambda envs: [delivered.put(e) for e in envs], clock=lambda: 100.0)
     engine_loop.start()

@@ -24,9 +24,9 @@ PAGE = 4
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
-def _engine() -> Engine:
+def _engine(overlap: bool = False) -> Engine:
     return Engine(EngineConfig(model="random:tiny-llama", device="cpu", dtype="float32", page_size=PAGE,
-                               num_pages=64))
+                               num_pages=64, enable_overlap=overlap))
 
 
 def _prompt(length: int, seed: int) -> list[int]:
@@ -34,9 +34,9 @@ def _prompt(length: int, seed: int) -> list[int]:
     return [rng.randrange(4, 512) for _ in range(length)]
 
 
-@pytest.fixture(scope="module")
-def engines():
-    prefill, decode, colocated = _engine(), _engine(), _engine()
+@pytest.fixture(scope="module", params=[False, True], ids=["serial", "overlap"])
+def engines(request: pytest.FixtureRequest):
+    prefill, decode, colocated = (_engine(request.param) for _ in range(3))
     exported = export_pool(prefill.kv, "host", f"rs-test-{uuid.uuid4().hex[:8]}", "")
     yield prefill, decode, colocated, exported.source
     exported.close()
@@ -117,10 +117,10 @@ def test_abort_releases_held_pages(engines) -> None:
 SOURCE = KVSource("host", "cpu", 2, 64, PAGE, 2, 16, "float32", stream_addr="ipc://pages")
 
 
-def _loop(source: KVSource | None, now: list[float]) -> tuple[EngineLoop, queue.SimpleQueue]:
+def _loop(source: KVSource | None, now: list[float], overlap: bool) -> tuple[EngineLoop, queue.SimpleQueue]:
     delivered: queue.SimpleQueue[Envelope] = queue.SimpleQueue()
     settings = HandoffSettings("p0", "ipc://p0", "host", lease_ttl_s=5.0, source=source)
-    engine_loop = EngineLoop(_engine(), WorkerIdentity("p0", "ipc://p0", "inc", ""),
+    engine_loop = EngineLoop(_engine(overlap), WorkerIdentity("p0", "ipc://p0", "inc", ""),
                              lambda envs: [delivered.put(e) for e in envs], clock=lambda: now[0], handoff=settings)
     engine_loop.start()
     return engine_loop, delivered
@@ -144,9 +144,10 @@ def _pool_is_clean(engine_loop: EngineLoop) -> bool:
     return load.num_leased_pages == 0 and load.num_total_pages - load.num_free_pages == load.num_cached_pages
 
 
-def test_prefill_hands_off_after_the_first_token_and_frees_on_release_or_expiry() -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_prefill_hands_off_after_the_first_token_and_frees_on_release_or_expiry(overlap: bool) -> None:
     now = [100.0]
-    engine_loop, delivered = _loop(SOURCE, now)
+    engine_loop, delivered = _loop(SOURCE, now, overlap)
     try:
         engine_loop.submit(PrefillCommand(_prefill_request("h1")))
         envelopes = _take_until(delivered, lambda m: isinstance(m, RequestFinished))
@@ -172,8 +173,9 @@ def test_prefill_hands_off_after_the_first_token_and_frees_on_release_or_expiry(
         assert engine_loop.stop(10.0)
 
 
-def test_a_worker_without_an_exported_pool_runs_a_prefill_request_whole() -> None:
-    engine_loop, delivered = _loop(None, [100.0])
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_a_worker_without_an_exported_pool_runs_a_prefill_request_whole(overlap: bool) -> None:
+    engine_loop, delivered = _loop(None, [100.0], overlap)
     try:
         engine_loop.submit(PrefillCommand(_prefill_request("whole")))
         envelopes = _take_until(delivered, lambda m: isinstance(m, RequestFinished))

@@ -7,6 +7,7 @@ from services.gpu_worker.attention.base import AttentionBackend, AttentionMetada
 from services.gpu_worker.kernels.decode_attention import decode_attention, num_splits_for
 from services.gpu_worker.kernels.extend_attention import extend_attention
 from services.gpu_worker.kernels.kv_write import kv_write
+from services.gpu_worker.kernels.rope_kv_write import rope_kv_write_
 from services.gpu_worker.kv_cache import KVCache
 
 
@@ -27,8 +28,19 @@ class TritonAttention(AttentionBackend):
                 cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = cache.k[layer], cache.v[layer]  # [P, S, KVH, D]
         kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self._attend(q, k_cache, v_cache, meta)
+
+    def forward_rope(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                     inv_freq: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """forward() for un-rotated q and k: RoPE and the KV write in one kernel (rope_kv_write.py)."""
+        k_cache, v_cache = cache.k[layer], cache.v[layer]  # [P, S, KVH, D]
+        rope_kv_write_(q, k, v, positions, inv_freq, k_cache, v_cache, meta.slot_mapping)
+        return self._attend(q, k_cache, v_cache, meta)
+
+    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
         if meta.is_decode_only:
-            num_splits = num_splits_for(q.shape[0], k.shape[1], self.num_sms)
+            num_splits = num_splits_for(q.shape[0], k_cache.shape[2], self.num_sms)
             return decode_attention(q, k_cache, v_cache, meta.page_table, meta.seq_lens, num_splits)
         return extend_attention(q, k_cache, v_cache, meta.query_start, meta.seq_lens, meta.page_table,
                                 meta.max_query_len)

@@ -20,13 +20,17 @@ def _rotate(ptr, stride_t, stride_h, t, cos, sin, num_heads, HALF: tl.constexpr,
 
 
 @triton.jit
+def _cos_sin(pos_ptr, inv_freq_ptr, t, HALF: tl.constexpr):
+    """Token t's rotation angles: cos and sin of position × inv_freq, each [1, D/2] fp32."""
+    freqs = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_freq_ptr + tl.arange(0, HALF))
+    return tl.cos(freqs)[None, :], tl.sin(freqs)[None, :]
+
+
+@triton.jit
 def _rope_kernel(q_ptr, k_ptr, pos_ptr, inv_freq_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
                  num_q_heads, num_k_heads, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr):
     t = tl.program_id(0)
-    pos = tl.load(pos_ptr + t).to(tl.float32)
-    freqs = pos * tl.load(inv_freq_ptr + tl.arange(0, HALF))  # [D/2] fp32
-    cos = tl.cos(freqs)[None, :]
-    sin = tl.sin(freqs)[None, :]
+    cos, sin = _cos_sin(pos_ptr, inv_freq_ptr, t, HALF)
     _rotate(q_ptr, stride_qt, stride_qh, t, cos, sin, num_q_heads, HALF, BLOCK_HQ)
     _rotate(k_ptr, stride_kt, stride_kh, t, cos, sin, num_k_heads, HALF, BLOCK_HK)
 

@@ -1,6 +1,11 @@
 """The CUDA forward of LlamaForCausalLM: fused q/k/v and gate/up projections (cuBLAS) around the Triton
-RMSNorm(+residual), RoPE and SiLU·mul kernels. Same function as the torch forward, up to bf16 rounding."""
+RMSNorm(+residual), RoPE(+KV write) and SiLU·mul kernels. Same function as the torch forward, up to bf16 rounding.
+
+Under tensor parallelism (model.tp set) the projections hold this rank's heads and MLP share, and the
+o_proj and down_proj outputs are summed over the ranks before the next RMSNorm+residual."""
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +16,9 @@ from services.gpu_worker.kernels.rms_norm import rms_norm
 from services.gpu_worker.kernels.rope import rope_
 from services.gpu_worker.kernels.silu_mul import silu_mul
 from services.gpu_worker.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from services.gpu_worker.parallel.state import TensorParallelGroup
 
 
 def fuse_projections(model: nn.Module) -> None:
@@ -45,8 +53,8 @@ def forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, 
         x, residual = rms_norm(h, layer.input_layernorm.weight, eps, residual)
         h = _attention(layer.self_attn, x, positions, model.inv_freq, cache, meta, backend)
         x, residual = rms_norm(h, layer.post_attention_layernorm.weight, eps, residual)
-        gate_up = F.linear(x, layer.mlp.gate_up_weight)  # [T, 2 I]
-        h = F.linear(silu_mul(gate_up), layer.mlp.down_proj.weight)  # [T, hidden]
+        gate_up = F.linear(x, layer.mlp.gate_up_weight)  # [T, 2 I] (I: this rank's share under TP)
+        h = _reduce(F.linear(silu_mul(gate_up), layer.mlp.down_proj.weight), layer.mlp.tp)  # [T, hidden]
     out, _ = rms_norm(h, model.model.norm.weight, eps, residual)
     return out
 
@@ -61,6 +69,14 @@ def _attention(attn: nn.Module, x: torch.Tensor, positions: torch.Tensor, inv_fr
     v = qkv[:, num_heads + num_kv_heads:]  # [T, KVH, D]
     if hasattr(attn, "q_norm"):
         q, k = attn.q_norm(q), attn.k_norm(k)
-    rope_(q, k, positions, inv_freq)
-    out = backend.forward(attn.layer, q, k, v, cache, meta)  # [T, H, D]
-    return F.linear(out.reshape(num_tokens, num_heads * head_dim), attn.o_proj.weight)
+    if hasattr(backend, "forward_rope"):  # the Triton backend: RoPE fused into the KV write
+        out = backend.forward_rope(attn.layer, q, k, v, positions, inv_freq, cache, meta)  # [T, H, D]
+    else:
+        rope_(q, k, positions, inv_freq)
+        out = backend.forward(attn.layer, q, k, v, cache, meta)  # [T, H, D]
+    return _reduce(F.linear(out.reshape(num_tokens, num_heads * head_dim), attn.o_proj.weight), attn.tp)
+
+
+def _reduce(partial: torch.Tensor, tp: TensorParallelGroup | None) -> torch.Tensor:
+    """Row-parallel projection output [T, hidden]: summed over the TP ranks (as it is without TP)."""
+    return partial if tp is None else tp.all_reduce(partial)

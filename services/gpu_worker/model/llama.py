@@ -1,8 +1,15 @@
 """The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) over a paged KV cache.
 
 Parameter names equal Hugging Face's, so a transformers state dict loads as it is.
+
+Tensor parallelism (a TensorParallelGroup `tp`, parallel/): each rank holds num_heads/tp query heads,
+num_kv_heads/tp kv heads and intermediate_size/tp of the MLP (parallel/shard.py slices the full weights at
+load), and sums o_proj's and down_proj's partial products over the ranks (all_reduce). The embedding, the
+norms and the LM head stay replicated, so every rank ends a forward with the same hidden states and logits.
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +19,9 @@ from services.gpu_worker.attention.base import AttentionBackend, AttentionMetada
 from services.gpu_worker.kv_cache import KVCache
 from services.gpu_worker.model.config import ModelConfig
 from services.gpu_worker.model.rope import apply_rope, cos_sin, inv_frequencies
+
+if TYPE_CHECKING:
+    from services.gpu_worker.parallel.state import TensorParallelGroup
 
 
 class RMSNorm(nn.Module):
@@ -27,15 +37,19 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.tp = tp
+        tp_size = 1 if tp is None else tp.size
+        self.num_heads = cfg.num_heads // tp_size  # this rank's query heads
+        self.num_kv_heads = cfg.num_kv_heads // tp_size  # this rank's kv heads (its KV cache holds only these)
+        self.head_dim = cfg.head_dim
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -50,25 +64,29 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = backend.forward(self.layer, q, k, v, cache, meta)  # [T, H, D]
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        out = self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))  # [T, hidden]
+        return out if self.tp is None else self.tp.all_reduce(out)  # TP: the sum of every rank's heads
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.tp = tp
+        intermediate = cfg.intermediate_size // (1 if tp is None else tp.size)  # this rank's share
+        self.gate_proj = nn.Linear(cfg.hidden_size, intermediate, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [T, hidden]
+        return out if self.tp is None else self.tp.all_reduce(out)  # TP: the sum over the intermediate shares
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, layer, tp)
+        self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -79,21 +97,30 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderStack(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # replicated under TP
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    """forward(): new tokens of a mixed prefill/decode batch → final hidden states; logits() on a few rows."""
+    """forward(): new tokens of a mixed prefill/decode batch → final hidden states; logits() on a few rows.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    tp: this rank's tensor-parallel group (None: the whole model on one device). `config` stays the full
+    model's; the attention and MLP modules carry this rank's head and intermediate counts.
+    """
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
+        if tp is not None:
+            from services.gpu_worker.parallel.shard import check_tensor_parallel
+
+            check_tensor_parallel(cfg, tp.size)
         self.config = cfg
-        self.model = DecoderStack(cfg)
-        if not cfg.tie_word_embeddings:
+        self.tp = tp
+        self.model = DecoderStack(cfg, tp)
+        if not cfg.tie_word_embeddings:  # replicated under TP: every rank computes the full logits
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
                              persistent=False)
@@ -127,7 +154,14 @@ class LlamaForCausalLM(nn.Module):
         return F.linear(hidden, weight).float()
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load an HF-named state dict; every parameter must be present and no extra key allowed."""
+        """Load an HF-named state dict; every parameter must be present and no extra key allowed.
+
+        Under TP the dict is the full model's: this rank copies in its slices (parallel/shard.py).
+        """
+        if self.tp is not None:
+            from services.gpu_worker.parallel.shard import shard_state_dict
+
+            state_dict = shard_state_dict(state_dict, self.config, self.tp.rank, self.tp.size)
         missing, unexpected = self.load_state_dict(state_dict, strict=False)
         unexpected = [k for k in unexpected if not k.endswith("rotary_emb.inv_freq")]
         if self.config.tie_word_embeddings:
