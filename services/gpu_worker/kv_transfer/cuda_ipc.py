@@ -10,7 +10,8 @@ import threading
 import torch
 
 from services.gpu_worker.kv_cache import KVCache
-from services.gpu_worker.kv_transfer.base import DTYPES, TransferError, check_compatible, copy_into, page_shape
+from services.gpu_worker.kv_transfer.base import DTYPES, TransferError, check_compatible, page_shape
+from services.gpu_worker.staging import to_device
 from shared.messages import CudaIpcHandle, KVSource
 
 
@@ -49,7 +50,8 @@ def open_pool(source: KVSource, device: torch.device) -> tuple[torch.Tensor, tor
 
 
 class CudaIpcPuller:
-    """Opens each source pool once; copies on a side stream so the engine's compute stream keeps going."""
+    """Opens each source pool once; copies page to page (kernels/page_copy.py) on a side stream, so the
+    engine's compute stream keeps going."""
 
     def __init__(self) -> None:
         self._pools: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -58,6 +60,8 @@ class CudaIpcPuller:
 
     def pull(self, source: KVSource, lease_id: str, src_page_ids: list[int], dst_page_ids: list[int],
              kv: KVCache) -> int:
+        from services.gpu_worker.kernels.page_copy import copy_pages_  # imports triton
+
         check_compatible(source, kv)
         device = kv.k.device
         with self._lock:
@@ -67,9 +71,8 @@ class CudaIpcPuller:
             k_src, v_src = self._pools[key]
             stream = self._streams.setdefault(device.index or 0, torch.cuda.Stream(device))
         with torch.cuda.stream(stream):
-            index = torch.tensor(src_page_ids, dtype=torch.long, device=device)
-            k = k_src.index_select(1, index)  # [L, n, S, KVH, D]
-            v = v_src.index_select(1, index)
-            copy_into(kv, dst_page_ids, k, v)
+            src = to_device(src_page_ids, torch.int32, device)
+            dst = to_device(dst_page_ids, torch.int32, device)
+            copy_pages_(kv.k, kv.v, k_src, v_src, src, dst)  # page to page: each byte read once, written once
         stream.synchronize()
-        return 2 * k.numel() * k.element_size()
+        return 2 * len(src_page_ids) * kv.k[:, 0].numel() * kv.k.element_size()
