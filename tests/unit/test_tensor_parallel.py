@@ -107,10 +107,10 @@ def test_the_lockstep_cache_stamps_rank_0s_clock_not_its_own() -> None:
     assert cache.match_prefix(list(range(8)), now=999.0).node.last_access == 7.0
 
 
-def _engine_config(preset_name: str, tensor_parallel_size: int) -> EngineConfig:
+def _engine_config(preset_name: str, tensor_parallel_size: int, overlap: bool = False) -> EngineConfig:
     # A small pool (preemption, eviction) and an 8-token step budget (chunked prefill).
     return EngineConfig(model=f"random:{preset_name}", device="cpu", dtype="float32", page_size=PAGE, num_pages=16,
-                        max_num_batched_tokens=8, tensor_parallel_size=tensor_parallel_size)
+                        max_num_batched_tokens=8, tensor_parallel_size=tensor_parallel_size, enable_overlap=overlap)
 
 
 def _drive(engine: Engine | LockstepEngine) -> dict:
@@ -150,8 +150,8 @@ def _drive(engine: Engine | LockstepEngine) -> dict:
     return record
 
 
-def _rank_drive(preset_name: str) -> dict | None:
-    engine = Engine(_engine_config(preset_name, TP), loaded=load_model(f"random:{preset_name}", seed=SEED))
+def _rank_drive(preset_name: str, overlap: bool) -> dict | None:
+    engine = Engine(_engine_config(preset_name, TP, overlap), loaded=load_model(f"random:{preset_name}", seed=SEED))
     if engine.tp.rank != 0:
         follow(engine)
         return None
@@ -162,10 +162,12 @@ def _rank_drive(preset_name: str) -> dict | None:
         assert lockstep.shutdown()
 
 
-@pytest.mark.parametrize("preset_name", ["tiny-llama", "tiny-qwen3"])
-def test_lockstep_engine_generates_what_one_rank_does(preset_name: str) -> None:
-    expected = _drive(Engine(_engine_config(preset_name, 1), loaded=load_model(f"random:{preset_name}", seed=SEED)))
-    got = launch(TP, _rank_drive, preset_name)
+@pytest.mark.parametrize(("preset_name", "overlap"), [("tiny-llama", False), ("tiny-qwen3", True)])
+def test_lockstep_engine_generates_what_one_rank_does(preset_name: str, overlap: bool) -> None:
+    """overlap: the step mode of both sides (the CUDA default; its flush() travels to the followers)."""
+    expected = _drive(Engine(_engine_config(preset_name, 1, overlap),
+                             loaded=load_model(f"random:{preset_name}", seed=SEED)))
+    got = launch(TP, _rank_drive, preset_name, overlap)
     for round_got, round_expected in zip(got["rounds"], expected["rounds"], strict=True):
         assert [(cached, tokens) for cached, tokens, _ in round_got] == [
             (cached, tokens) for cached, tokens, _ in round_expected]

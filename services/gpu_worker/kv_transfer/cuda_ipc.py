@@ -10,7 +10,7 @@ import threading
 import torch
 
 from services.gpu_worker.kv_cache import KVCache
-from services.gpu_worker.kv_transfer.base import DTYPES, TransferError, check_compatible, page_shape
+from services.gpu_worker.kv_transfer.base import DTYPES, TransferError, check_compatible, copy_into, page_shape
 from services.gpu_worker.staging import to_device
 from shared.messages import CudaIpcHandle, KVSource
 
@@ -36,8 +36,9 @@ def export_handles(kv: KVCache) -> tuple[CudaIpcHandle, CudaIpcHandle]:
             handle_from_share(kv.v.untyped_storage()._share_cuda_()))
 
 
-def open_pool(source: KVSource, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The source pool's K and V as tensors of this process, over the shared device memory."""
+def open_pool(source: KVSource) -> tuple[torch.Tensor, torch.Tensor]:
+    """The source pool's K and V as tensors of this process, over the shared device memory (on the device
+    torch opens the handle on; the puller copies across GPUs when that is not its own)."""
     if source.cuda_k is None or source.cuda_v is None:
         raise TransferError("the source offers no CUDA IPC handles")
     shape = page_shape(source)
@@ -45,7 +46,8 @@ def open_pool(source: KVSource, device: torch.device) -> tuple[torch.Tensor, tor
     tensors = []
     for handle in (source.cuda_k, source.cuda_v):
         storage = torch.UntypedStorage._new_shared_cuda(*share_args(handle))
-        tensors.append(torch.empty(0, dtype=dtype, device=device).set_(storage, 0, shape))
+        # NOTE: the tensor lives where the storage does (the source worker's GPU), which may not be `device`
+        tensors.append(torch.empty(0, dtype=dtype, device=storage.device).set_(storage, 0, shape))
     return tensors[0], tensors[1]
 
 
@@ -67,12 +69,20 @@ class CudaIpcPuller:
         with self._lock:
             key = source.cuda_k.handle if source.cuda_k is not None else b""
             if key not in self._pools:
-                self._pools[key] = open_pool(source, device)
+                self._pools[key] = open_pool(source)
             k_src, v_src = self._pools[key]
             stream = self._streams.setdefault(device.index or 0, torch.cuda.Stream(device))
-        with torch.cuda.stream(stream):
-            src = to_device(src_page_ids, torch.int32, device)
-            dst = to_device(dst_page_ids, torch.int32, device)
-            copy_pages_(kv.k, kv.v, k_src, v_src, src, dst)  # page to page: each byte read once, written once
+        if k_src.device == device:
+            with torch.cuda.stream(stream):
+                src = to_device(src_page_ids, torch.int32, device)
+                dst = to_device(dst_page_ids, torch.int32, device)
+                copy_pages_(kv.k, kv.v, k_src, v_src, src, dst)  # page to page: each byte read once, written once
+        else:  # the source pool is on another GPU of this host: gather there, then one peer copy per tensor
+            with torch.cuda.device(k_src.device):
+                index = to_device(src_page_ids, torch.long, k_src.device)
+                k, v = k_src.index_select(1, index), v_src.index_select(1, index)  # [L, n, S, KVH, D]
+            with torch.cuda.stream(stream):
+                copy_into(kv, dst_page_ids, k, v)
+            torch.cuda.synchronize(k_src.device)
         stream.synchronize()
         return 2 * len(src_page_ids) * kv.k[:, 0].numel() * kv.k.element_size()

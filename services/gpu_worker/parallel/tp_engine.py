@@ -91,7 +91,12 @@ class ReleaseOp:
     request_id: str
 
 
-Op = AddOp | AbortOp | ReleaseOp
+@dataclass(frozen=True)
+class FlushOp:
+    """Engine.flush(): read the launched step's tokens (overlap mode) before the next step schedules."""
+
+
+Op = AddOp | AbortOp | ReleaseOp | FlushOp
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,8 @@ def _apply(engine: Engine, op: Op) -> None:
     elif isinstance(op, AbortOp):
         engine.cache.pin_clock(op.now)
         engine.abort(op.request_id)
+    elif isinstance(op, FlushOp):
+        engine.flush()
     else:
         engine.release_finished(op.request_id)
 
@@ -175,6 +182,13 @@ class LockstepEngine:
         self.engine.release_finished(request_id)
         self._ops.append(ReleaseOp(request_id))
 
+    def flush(self) -> list[TokenOutput]:
+        """Engine.flush() here now, on the followers before the next step (it has no collectives)."""
+        self._check_running()
+        outputs = self.engine.flush()
+        self._ops.append(FlushOp())
+        return outputs
+
     def step(self) -> list[TokenOutput]:
         """One step on every rank (the followers get this step's ops, clock and seed first)."""
         self._check_running()
@@ -197,6 +211,7 @@ class LockstepEngine:
             self.add_request(request_id, prompt, p)
         while any(not s.is_finished for rid in ids for s in self.engine._requests[rid]):
             self.step()
+        self.flush()  # as Engine.generate: a launched step may hold only discarded rows
         results = [self.engine._result(rid) for rid in ids]
         for rid in ids:
             self.release_finished(rid)
