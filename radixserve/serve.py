@@ -19,6 +19,7 @@ class Child:
     name: str
     argv: list[str]
     process: subprocess.Popen | None = None
+    env: dict[str, str] = field(default_factory=dict)  # on top of serve's own environment
 
 
 @dataclass
@@ -28,7 +29,7 @@ class Suite:
 
     def start(self, env: dict[str, str]) -> None:
         for child in self.children:
-            child.process = subprocess.Popen([sys.executable, "-m", *child.argv], env=env)
+            child.process = subprocess.Popen([sys.executable, "-m", *child.argv], env={**env, **child.env})
 
     def first_dead(self) -> Child | None:
         return next((c for c in self.children if c.process and c.process.poll() is not None), None)
@@ -65,6 +66,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--workers", type=int, default=1, help="gpu_worker processes (one per GPU on CUDA)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="shard each worker's model over N ranks (N GPUs per worker on CUDA; mixed workers only)")
     parser.add_argument("--tokenizers", type=int, default=1, help="tokenizer replicas")
     parser.add_argument("--redis-url", default="", help="use this Redis instead of the embedded one")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda")
@@ -104,16 +107,18 @@ def build_suite(args: argparse.Namespace, run_dir: Path) -> Suite:
                                               "--redis-url", redis_url, "--cache-index-addr", index,
                                               "--routing", args.routing, "--pd-policy", args.pd_policy,
                                               "--pd-min-prefill-tokens", str(args.pd_min_prefill_tokens)]))
+    tp = args.tensor_parallel_size
     for i, (name, role) in enumerate(worker_roles(args)):
+        device, env = _worker_placement(args.device, i, tp)
         argv = ["services.gpu_worker", "--worker-id", name, "--worker-addr", ipc(name),
                 "--scheduler-addrs", sched, "--cache-index-addr", index, "--model", args.model,
-                "--device", _worker_device(args.device, i), "--dtype", args.dtype,
+                "--device", device, "--dtype", args.dtype, "--tensor-parallel-size", str(tp),
                 "--num-pages", str(args.num_pages), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                 "--max-num-seqs", str(args.max_num_seqs),
                 "--enable-prefix-cache", "false" if args.no_prefix_cache else "true"]
         if role != "mixed":
             argv += ["--role", role, "--kv-transfer", args.kv_transfer, "--transfer-addr", ipc(f"{name}-kv")]
-        suite.children.append(Child(name, argv))
+        suite.children.append(Child(name, argv, env=env))
     for i, (addr, stream) in enumerate(toks):
         suite.children.append(Child(f"tokenizer{i}", ["services.tokenizer", "--model", args.model,
                                                        "--tokenizer-addr", addr, "--stream-addr", stream,
@@ -129,8 +134,18 @@ def build_suite(args: argparse.Namespace, run_dir: Path) -> Suite:
 
 def worker_roles(args: argparse.Namespace) -> list[tuple[str, str]]:
     """(name, role) of each worker: --workers mixed ones, or with --pd P:D P prefill then D decode ones."""
+    tp = getattr(args, "tensor_parallel_size", 1)
+    if tp < 1:
+        raise ValueError("--tensor-parallel-size must be >= 1")
     if not getattr(args, "pd", ""):
-        return [(f"worker{i}", "mixed") for i in range(args.workers)]
+        workers = [(f"worker{i}", "mixed") for i in range(args.workers)]
+        gpus = _gpu_ids()
+        if tp > 1 and args.device in ("cuda", "auto") and gpus and len(workers) * tp > len(gpus):
+            raise ValueError(f"{len(workers)} worker(s) × --tensor-parallel-size {tp} need {len(workers) * tp} "
+                             f"GPUs; {len(gpus)} visible")
+        return workers
+    if tp > 1:
+        raise ValueError("--tensor-parallel-size > 1 works with mixed workers only, not with --pd")
     try:
         num_prefill, num_decode = (int(x) for x in args.pd.split(":"))
     except ValueError:
@@ -148,18 +163,30 @@ def _describe(workers: list[tuple[str, str]]) -> str:
     return f"PD: {roles.count('prefill')} prefill + {roles.count('decode')} decode worker(s)"
 
 
-def _worker_device(device: str, index: int) -> str:
-    if device in ("cuda", "auto") and _cuda_count() > 1:
-        return f"cuda:{index % _cuda_count()}"
-    return device
+def _worker_placement(device: str, index: int, tp: int) -> tuple[str, dict[str, str]]:
+    """Worker `index`'s --device and extra environment: one GPU each (round-robin) or, with tensor
+    parallelism, its own tp GPUs (CUDA_VISIBLE_DEVICES; its rank r takes cuda:r of those)."""
+    gpus = _gpu_ids()
+    if device not in ("cuda", "auto") or not gpus:
+        return device, {}
+    if tp > 1:
+        return "cuda", {"CUDA_VISIBLE_DEVICES": ",".join(gpus[index * tp:(index + 1) * tp])}
+    if len(gpus) > 1:
+        return f"cuda:{index % len(gpus)}", {}
+    return device, {}
 
 
-def _cuda_count() -> int:
+def _gpu_ids() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES entries (empty without CUDA)."""
     try:
         import torch
-        return torch.cuda.device_count()
+        count = torch.cuda.device_count()
     except ImportError:
-        return 0
+        return []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [g.strip() for g in visible.split(",") if g.strip()][:count]
+    return [str(i) for i in range(count)]
 
 
 def _start_redis(suite: Suite, run_dir: Path) -> str:
