@@ -44,15 +44,22 @@ def time_http(url: str, prompts: list[str], output_len: int) -> list[tuple[float
 
 
 def time_engine(engine: Engine, prompt_ids: list[list[int]], output_len: int) -> list[tuple[float, list[float]]]:
+    """Stamps as the HTTP side sees them: when the detokenized text (special tokens skipped) grows, so a first
+    token that is a special one (SmolLM2 often starts with <|im_end|>) counts on neither side."""
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     runs = []
     for i, ids in enumerate(prompt_ids):
         start = time.perf_counter()
         engine.add_request(f"o{i}", ids, params)
-        stamps = []
+        stamps, tokens, text_len = [], [], 0
         while engine.has_unfinished():
-            if engine.step():
-                stamps.append(time.perf_counter() - start)
+            for out in engine.step():
+                tokens += out.token_ids
+            now = time.perf_counter() - start
+            grown = len(engine.tokenizer.decode(tokens, skip_special_tokens=True))
+            if grown > text_len:
+                stamps.append(now)
+                text_len = grown
         engine.release_finished(f"o{i}")
         runs.append((stamps[0], [b - a for a, b in zip(stamps, stamps[1:])]))
     return runs
