@@ -314,6 +314,12 @@ class BatchPolicy:
         num_full = num_prompt // self.page_size
         has_partial = num_prompt % self.page_size != 0
         copies: list[PageCopy] = []
+        if parent.status is not SeqStatus.RUNNING or parent.num_computed < num_prompt:
+            # NOTE: overlap mode forks when the first token is read, a step after it was sampled; a parent
+            # preempted meanwhile no longer holds its prompt's KV, so its children recompute the prompt
+            for child in children:
+                self.add(child)
+            return copies
         for child in children:
             private = self._allocate_quietly(1 if has_partial else 0)
             if private is None:
