@@ -70,14 +70,14 @@ def _model_logits(preset_name: str, tp: TensorParallelGroup | None) -> list[torc
     return logits
 
 
-def _rank_model_logits(preset_name: str) -> list[torch.Tensor]:
-    return _model_logits(preset_name, current_group(TP))
+def _rank_model_logits(preset_name: str) -> list[list]:
+    return [step.tolist() for step in _model_logits(preset_name, current_group(TP))]  # MessagePack types
 
 
 @pytest.mark.parametrize("preset_name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])  # GQA; q/k/v bias; qk-norm
 def test_sharded_forward_equals_the_whole_model(preset_name: str) -> None:
     expected = _model_logits(preset_name, None)
-    got = launch(TP, _rank_model_logits, preset_name)
+    got = [torch.tensor(step) for step in launch(TP, _rank_model_logits, preset_name)]
     assert [t.shape for t in got] == [t.shape for t in expected]
     for step_got, step_expected in zip(got, expected, strict=True):
         torch.testing.assert_close(step_got, step_expected, rtol=0.0, atol=1e-4)
@@ -146,7 +146,7 @@ def _drive(engine: Engine | LockstepEngine) -> dict:
     record["streamed"] = {key: tokens for key, tokens in streamed.items() if not key.startswith("u0")}
     record["num_unseeded_tokens"] = len(streamed["u0/0"])
     stats = engine.stats()
-    record["stats"] = (stats.num_steps, stats.num_preemptions, stats.num_cached_pages, stats.num_free_pages)
+    record["stats"] = [stats.num_steps, stats.num_preemptions, stats.num_cached_pages, stats.num_free_pages]
     return record
 
 

@@ -2,22 +2,25 @@
 benchmarks (launch), or ranks 1..N-1 beside an in-process rank 0 for the worker service (spawn_followers).
 
 Every rank first joins the TP group (parallel/state.py) at a rendezvous: a file:// in a fresh temporary
-folder unless an init_method is given, so no port is picked that someone else could take first.
+folder unless an init_method is given, so no port is picked that someone else could take first. launch()'s
+ranks report over one pipe each, as MessagePack: rank 0's value, or an error by its class and message.
 """
 from __future__ import annotations
 
+import builtins
 import contextlib
-import pickle
-import queue
+import importlib
 import shutil
 import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgspec
 import torch
 import torch.multiprocessing as mp
 
@@ -28,32 +31,54 @@ POLL_S = 0.2
 AFTER_ERROR_S = 5.0  # once a rank failed, how long the others get to report (theirs usually follow from it)
 
 
+class RankError(msgspec.Struct, frozen=True):
+    """An exception raised in a rank, by value: rebuilt in the parent as its class when that can be found."""
+
+    module: str
+    name: str
+    message: str
+    note: str  # the rank and its traceback
+
+
+class RankReport(msgspec.Struct, frozen=True):
+    rank: int
+    value: Any = None  # rank 0's result (MessagePack types: tensors as nested lists, tuples as lists)
+    error: RankError | None = None
+
+
+_REPORT_DECODER = msgspec.msgpack.Decoder(RankReport)
+
+
 def launch(tp_size: int, fn: Callable[..., T], *args: Any, device_type: str = "cpu",
            init_method: str | None = None, timeout_s: float = 600.0) -> T:
     """Run fn(*args) in tp_size spawned processes, each one rank of a TP group; return rank 0's result.
 
-    fn must be importable by name (a module-level function) and its result picklable. A rank's exception
+    fn must be importable by name (a module-level function) and return MessagePack types. A rank's exception
     is raised here, the first to arrive (usually the cause; the others' errors follow from it), with the
-    rank and its traceback as notes. CPU ranks split the machine's cores between them.
+    rank and its traceback as a note. CPU ranks split the machine's cores between them.
     """
     if tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, not {tp_size}")
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    pipes = [ctx.Pipe(duplex=False) for _ in range(tp_size)]  # (parent's reader, rank's writer)
     with rendezvous(init_method) as method:
-        processes = [ctx.Process(target=_rank_main, args=(rank, tp_size, method, device_type, fn, args, results),
-                                 name=f"tp-rank-{rank}", daemon=True) for rank in range(tp_size)]
+        processes = [ctx.Process(target=_rank_main, args=(rank, tp_size, method, device_type, fn, args, writer),
+                                 name=f"tp-rank-{rank}", daemon=True) for rank, (_, writer) in enumerate(pipes)]
         for process in processes:
             process.start()
-        outcomes: list[tuple[int, Any, Any]] = []
+        for _, writer in pipes:
+            writer.close()  # NOTE: the ranks hold theirs; a rank that dies unreported then reads as EOF
+        reports: list[RankReport] = []
         try:
-            _collect(processes, results, time.monotonic() + timeout_s, outcomes)
+            _collect(processes, [reader for reader, _ in pipes], time.monotonic() + timeout_s, reports)
         finally:
-            _stop(processes, grace_s=10.0 if len(outcomes) == tp_size else 1.0)
-    errors = [error for _, error, _ in outcomes if error is not None]
+            _stop(processes, grace_s=10.0 if len(reports) == tp_size else 1.0)
+            for reader, _ in pipes:
+                reader.close()
+    errors = [report for report in reports if report.error is not None]
     if errors:
-        raise errors[0]
-    return pickle.loads(next(value for rank, _, value in outcomes if rank == 0))
+        raise _rebuild(errors[0])
+    return next(report.value for report in reports if report.rank == 0)
 
 
 @dataclass
@@ -102,62 +127,67 @@ def rendezvous(init_method: str | None) -> Iterator[str]:
 
 
 def _rank_main(rank: int, size: int, init_method: str, device_type: str, fn: Callable[..., Any],
-               args: tuple[Any, ...], results: Any | None) -> None:
-    """One spawned rank: join the group, run fn, report (rank, error, rank 0's value) when results is a queue."""
+               args: tuple[Any, ...], writer: Connection | None) -> None:
+    """One spawned rank: join the group, run fn, report rank 0's value or the error when it has a pipe."""
     try:
         if device_type == "cpu":
             torch.set_num_threads(cpu_threads_per_rank(size))
         init_tensor_parallel(rank, size, init_method, device_type)
         value = fn(*args)
-        if results is not None:  # NOTE: pickled by value here, not as shared memory this process must outlive
-            results.put((rank, None, pickle.dumps(value if rank == 0 else None)))
+        if writer is not None:
+            writer.send_bytes(msgspec.msgpack.encode(RankReport(rank, value if rank == 0 else None)))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
-        if results is None:
+        if writer is None:
             raise
-        results.put((rank, _portable(exc, rank), None))
+        note = f"raised in tensor-parallel rank {rank}:\n{''.join(traceback.format_exception(exc))}"
+        error = RankError(type(exc).__module__, type(exc).__qualname__, str(exc), note)
+        writer.send_bytes(msgspec.msgpack.encode(RankReport(rank, error=error)))
     finally:
         destroy_tensor_parallel()
 
 
-def _portable(exc: BaseException, rank: int) -> BaseException:
-    """exc with its rank and traceback as a note, or a RuntimeError naming it when exc does not pickle."""
-    note = f"raised in tensor-parallel rank {rank}:\n{''.join(traceback.format_exception(exc))}"
+def _rebuild(report: RankReport) -> BaseException:
+    """The rank's exception as its own class when importable and built from a message, else a RuntimeError."""
+    error = report.error
+    assert error is not None
+    cls: Any = None
+    with contextlib.suppress(Exception):
+        module = builtins if error.module == "builtins" else importlib.import_module(error.module)
+        cls = getattr(module, error.name)
+    exc: BaseException
     try:
-        pickle.loads(pickle.dumps(exc))
-    except Exception:  # noqa: BLE001 - any pickling failure: send a description instead
-        exc = RuntimeError(f"{type(exc).__name__}: {exc}")
-    exc.__traceback__ = None
-    exc.add_note(note)
+        exc = cls(error.message) if isinstance(cls, type) and issubclass(cls, Exception) else None
+    except Exception:  # noqa: BLE001 - a class that takes other arguments
+        exc = None
+    if exc is None:
+        exc = RuntimeError(f"{error.name}: {error.message}" if error.name else error.message)
+    if error.note:
+        exc.add_note(error.note)
     return exc
 
 
-def _collect(processes: list[mp.Process], results: Any, deadline: float,
-             outcomes: list[tuple[int, Any, Any]]) -> None:
-    """Append every rank's (rank, error, value) in arrival order; a rank that died without reporting, or
-    missing reports at the deadline (a few seconds after the first error), end the wait with an error."""
-    while len(outcomes) < len(processes):
-        try:
-            outcome = results.get(timeout=POLL_S)
-            outcomes.append(outcome)
-            if outcome[1] is not None:
+def _collect(processes: list[mp.Process], readers: list[Connection], deadline: float,
+             reports: list[RankReport]) -> None:
+    """Append every rank's report in arrival order; a rank that died without reporting, or missing reports at
+    the deadline (a few seconds after the first error), end the wait with an error report."""
+    pending = dict(zip(readers, range(len(readers))))
+    while pending:
+        for reader in wait(list(pending), timeout=POLL_S):
+            rank = pending.pop(reader)
+            try:
+                report = _REPORT_DECODER.decode(reader.recv_bytes())
+            except (EOFError, OSError):
+                code = processes[rank].exitcode
+                reports.append(RankReport(rank, error=RankError("", "", f"tensor-parallel rank {rank} died (exit "
+                                                                        f"code {code}) without reporting", "")))
+                return
+            reports.append(report)
+            if report.error is not None:
                 deadline = min(deadline, time.monotonic() + AFTER_ERROR_S)
-            continue
-        except queue.Empty:
-            pass
-        reported = {rank for rank, _, _ in outcomes}
-        dead = [rank for rank, p in enumerate(processes) if p.exitcode is not None and rank not in reported]
-        if dead:
-            with contextlib.suppress(queue.Empty):  # it may have reported just before exiting
-                outcomes.append(results.get(timeout=1.0))
-                continue
-            rank = dead[0]
-            outcomes.append((rank, RuntimeError(f"tensor-parallel rank {rank} died (exit code "
-                                                f"{processes[rank].exitcode}) without reporting"), None))
-            return
-        if time.monotonic() > deadline:
-            missing = [rank for rank in range(len(processes)) if rank not in reported]
-            outcomes.append((missing[0], TimeoutError(f"tensor-parallel ranks {missing} did not finish in time"),
-                             None))
+        if pending and time.monotonic() > deadline:
+            missing = sorted(pending.values())
+            reports.append(RankReport(missing[0], error=RankError(
+                "builtins", "TimeoutError", f"tensor-parallel ranks {missing} did not finish in time", "")))
             return
 
 

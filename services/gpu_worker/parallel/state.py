@@ -1,7 +1,7 @@
 """This process's tensor-parallel group: its rank, the size, and the two process groups the ranks talk over.
 
     device group   all_reduce of activations after o_proj and down_proj (NCCL on CUDA, gloo on the CPU)
-    control group  gloo: rank 0's per-step commands as pickled bytes, and small agreements (the page count)
+    control group  gloo: rank 0's per-step commands as MessagePack bytes, and small agreements (the page count)
 
 One TP group per process, spanning the whole torch.distributed world (one host, rank r on cuda:r). It is set
 by init_tensor_parallel() before the Engine is built, and read by the Engine only when its config's
@@ -10,11 +10,9 @@ tensor_parallel_size > 1: a single-rank engine never imports this module.
 from __future__ import annotations
 
 import os
-import pickle
 import struct
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -57,32 +55,31 @@ class TensorParallelGroup:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control_group)
         return int(t.item())
 
-    def broadcast_object(self, obj: Any = None) -> Any:
-        """Rank 0's obj on every rank (the others pass None and get it back).
+    def broadcast_bytes(self, payload: bytes = b"") -> bytes:
+        """Rank 0's payload on every rank (the others pass nothing and get it back).
 
-        Usually one gloo broadcast of a fixed buffer [length ‖ pickle]; a payload larger than the buffer
+        Usually one gloo broadcast of a fixed buffer [length ‖ payload]; a payload larger than the buffer
         follows in a second broadcast of its own size.
         """
         buffer = torch.zeros(CONTROL_BUFFER_BYTES, dtype=torch.uint8)  # [N] uint8
-        payload = b""
+        fits = _HEADER.size + len(payload) <= CONTROL_BUFFER_BYTES
         if self.is_leader:
-            payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
             buffer[: _HEADER.size] = torch.frombuffer(bytearray(_HEADER.pack(len(payload))), dtype=torch.uint8)
-            if _HEADER.size + len(payload) <= CONTROL_BUFFER_BYTES:
+            if fits and payload:
                 buffer[_HEADER.size: _HEADER.size + len(payload)] = torch.frombuffer(bytearray(payload),
                                                                                    dtype=torch.uint8)
         dist.broadcast(buffer, src=0, group=self.control_group)
         if self.is_leader:
-            if _HEADER.size + len(payload) > CONTROL_BUFFER_BYTES:
+            if not fits:
                 dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0,
                                group=self.control_group)
-            return obj
+            return payload
         (length,) = _HEADER.unpack(buffer[: _HEADER.size].numpy().tobytes())
         if _HEADER.size + length <= CONTROL_BUFFER_BYTES:
-            return pickle.loads(buffer[_HEADER.size: _HEADER.size + length].numpy().tobytes())
+            return buffer[_HEADER.size: _HEADER.size + length].numpy().tobytes()
         large = torch.empty(length, dtype=torch.uint8)
         dist.broadcast(large, src=0, group=self.control_group)
-        return pickle.loads(large.numpy().tobytes())
+        return large.numpy().tobytes()
 
 
 _group: TensorParallelGroup | None = None

@@ -24,14 +24,13 @@ Not supported under TP: PD roles (prefill-only requests, KV imports and exports)
 """
 from __future__ import annotations
 
-import pickle
 import random
 import signal
 import time
 import zlib
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from services.gpu_worker.engine import Engine, RequestResult
@@ -73,35 +72,31 @@ class LockstepRadixCache(RadixCache):
         return super().insert(token_ids, page_ids, self._now(now))
 
 
-@dataclass(frozen=True)
-class AddOp:
+class AddOp(msgspec.Struct, frozen=True, tag=True):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
 
 
-@dataclass(frozen=True)
-class AbortOp:
+class AbortOp(msgspec.Struct, frozen=True, tag=True):
     request_id: str
     now: float  # rank 0's clock when it aborted
 
 
-@dataclass(frozen=True)
-class ReleaseOp:
+class ReleaseOp(msgspec.Struct, frozen=True, tag=True):
     request_id: str
 
 
-@dataclass(frozen=True)
-class FlushOp:
+class FlushOp(msgspec.Struct, frozen=True, tag=True):
     """Engine.flush(): read the launched step's tokens (overlap mode) before the next step schedules."""
 
 
 Op = AddOp | AbortOp | ReleaseOp | FlushOp
 
 
-@dataclass(frozen=True)
-class StepPacket:
-    """Rank 0 → followers before each step: what changed since the last one, and the step's clock and seed."""
+class StepPacket(msgspec.Struct, frozen=True):
+    """Rank 0 → followers before each step (MessagePack on the control group): what changed since the last
+    one, and the step's clock and seed."""
 
     ops: list[Op]
     previous_digest: int  # digest of rank 0's outputs of the previous step
@@ -110,10 +105,13 @@ class StepPacket:
     is_stop: bool = False  # apply the ops, then leave the loop (no step)
 
 
+_PACKET_DECODER = msgspec.msgpack.Decoder(StepPacket)
+
+
 def outputs_digest(outputs: list[TokenOutput]) -> int:
     """A checksum of one step's outputs (ids, sample index, tokens, whether it ended), equal across ranks."""
-    return zlib.crc32(pickle.dumps([(o.request_id, o.index, o.token_ids, o.finish_reason is not None)
-                                    for o in outputs], protocol=pickle.HIGHEST_PROTOCOL))
+    return zlib.crc32(msgspec.msgpack.encode([(o.request_id, o.index, o.token_ids, o.finish_reason is not None)
+                                              for o in outputs]))
 
 
 def _apply(engine: Engine, op: Op) -> None:
@@ -195,7 +193,7 @@ class LockstepEngine:
         packet = StepPacket(self._ops, self._previous_digest, now=time.monotonic(), seed=self._seeds.getrandbits(63))
         self._ops = []
         try:
-            self.tp.broadcast_object(packet)
+            self.tp.broadcast_bytes(msgspec.msgpack.encode(packet))
             outputs = _run_step(self.engine, packet)
         except BaseException as exc:
             self._failure = exc
@@ -229,7 +227,7 @@ class LockstepEngine:
             return True
         self._is_stopped = True
         if self._failure is None:
-            self.tp.broadcast_object(StepPacket(self._ops, self._previous_digest, is_stop=True))
+            self.tp.broadcast_bytes(msgspec.msgpack.encode(StepPacket(self._ops, self._previous_digest, is_stop=True)))
         self._ops = []
         is_clean = self._failure is None
         if self._followers is not None:
@@ -251,7 +249,7 @@ def follow(engine: Engine) -> None:
         raise ValueError("follow() runs on ranks 1..N-1 of a tensor-parallel group")
     digest, num_steps = outputs_digest([]), 0
     while True:
-        packet: StepPacket = tp.broadcast_object()
+        packet = _PACKET_DECODER.decode(tp.broadcast_bytes())
         if packet.previous_digest != digest:
             raise TensorParallelDivergence(f"rank {tp.rank}: the outputs of step {num_steps} differ from rank 0's "
                                            f"(digest {digest:#x} vs {packet.previous_digest:#x})")
