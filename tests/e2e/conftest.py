@@ -1,6 +1,7 @@
 """Start real radixserve processes for end-to-end tests."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -46,18 +47,25 @@ def stop(proc: subprocess.Popen, timeout_s: float = 30.0) -> int:
     return proc.returncode
 
 
+@contextlib.contextmanager
+def serving(args: list[str], log_path: Path, ready_timeout_s: float = 300.0) -> Iterator[str]:
+    """`radixserve serve --port <free> *args` with its output in log_path; yields the base URL, and checks
+    that it stops cleanly (exit code 0) afterwards."""
+    port = free_port()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "radixserve", "serve", "--port", str(port), *args],
+                                stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(url, proc, ready_timeout_s)
+            yield url
+        finally:
+            assert stop(proc) == 0
+
+
 @pytest.fixture(scope="session")
 def served(tmp_path_factory) -> Iterator[str]:
     """`radixserve serve` on the bundled model with two workers; yields the base URL."""
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("serve") / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "radixserve", "serve", "--port", str(port), "--workers", "2",
-                             "--num-pages", "512", "--device", "cpu"],
-                            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc)
+    with serving(["--workers", "2", "--num-pages", "512", "--device", "cpu"],
+                 tmp_path_factory.mktemp("serve") / "serve.log") as url:
         yield url
-    finally:
-        assert stop(proc) == 0
-        log.close()

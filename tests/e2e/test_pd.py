@@ -2,15 +2,12 @@
 mixed workers) token for token, streamed or not; n > 1 stays local; stop strings abort across the split."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import openai
 import pytest
 
-from tests.e2e.conftest import free_port, stop, wait_healthy
+from tests.e2e.conftest import serving
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
@@ -20,18 +17,9 @@ PROMPT_IDS = [504, 3575, 282, 4649, 314] * 24  # 120 tokens: 8 pages to hand off
 
 @pytest.fixture(scope="module")
 def pd_url(tmp_path_factory) -> Iterator[str]:
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("pd") / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "radixserve", "serve", "--port", str(port), "--pd", "1:1",
-                             "--pd-policy", "always", "--num-pages", "512", "--device", "cpu"],
-                            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc)
+    with serving(["--pd", "1:1", "--pd-policy", "always", "--num-pages", "512", "--device", "cpu"],
+                 tmp_path_factory.mktemp("pd") / "serve.log") as url:
         yield url
-    finally:
-        assert stop(proc) == 0
-        log.close()
 
 
 def _client(url: str) -> openai.OpenAI:

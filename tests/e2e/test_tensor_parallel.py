@@ -2,7 +2,6 @@
 and its greedy tokens equal the offline engine's on one rank (same random weights, same prompt)."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -12,7 +11,7 @@ import pytest
 from services.gpu_worker.engine import Engine
 from services.gpu_worker.engine_config import EngineConfig
 from services.gpu_worker.request import SamplingParams
-from tests.e2e.conftest import free_port, stop, wait_healthy
+from tests.e2e.conftest import serving
 
 pytestmark = pytest.mark.slow
 MODEL = "random:tiny-llama"  # 4 query / 2 KV heads: divisible by 2
@@ -24,21 +23,12 @@ def test_serve_with_two_tensor_parallel_ranks_equals_one_rank(tmp_path) -> None:
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     expected = offline.generate([PROMPT_IDS], params)[0].samples[0].token_ids
 
-    port = free_port()
-    with open(tmp_path / "serve.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "radixserve", "serve", "--model", MODEL, "--port", str(port),
-                                 "--device", "cpu", "--dtype", "float32", "--num-pages", "256",
-                                 "--tensor-parallel-size", "2"],
-                                stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-        url = f"http://127.0.0.1:{port}"
-        try:
-            wait_healthy(url, proc, timeout_s=180)
-            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-            reply = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=12, temperature=0,
-                                              logprobs=0, extra_body={"ignore_eos": True})
-            tokens = reply.choices[0].logprobs.tokens
-        finally:
-            assert stop(proc) == 0
+    with serving(["--model", MODEL, "--device", "cpu", "--dtype", "float32", "--num-pages", "256",
+                  "--tensor-parallel-size", "2"], tmp_path / "serve.log", ready_timeout_s=180) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        reply = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=12, temperature=0,
+                                          logprobs=0, extra_body={"ignore_eos": True})
+        tokens = reply.choices[0].logprobs.tokens
     assert tokens == [f"token_id:{t}" for t in expected]
 
 
