@@ -233,8 +233,5 @@ class Sampler:
         return SampledBatch(tokens, _logprob_tensors(logits, tokens, rows), [r.params.logprobs for r in rows])
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
-        if logits.shape[0] != len(rows):
-            raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sampling rows")
-        if not rows:
-            return [], []
+        """launch() then resolve(): the tokens on the host at once."""
         return self.launch(logits, rows).resolve()
