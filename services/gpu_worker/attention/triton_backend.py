@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from services.gpu_worker.attention.base import AttentionBackend, AttentionMetadata
-from services.gpu_worker.kernels.decode_attention import decode_attention, num_splits_for
+from services.gpu_worker.kernels.decode_attention import decode_attention, decode_attention_rope, num_splits_for
 from services.gpu_worker.kernels.extend_attention import extend_attention
 from services.gpu_worker.kernels.kv_write import kv_write
 from services.gpu_worker.kernels.rope_kv_write import rope_kv_write_
@@ -12,7 +12,8 @@ from services.gpu_worker.kv_cache import KVCache
 
 
 class TritonAttention(AttentionBackend):
-    """Decode-only steps run the split-K decode kernel; any step with a prefill chunk runs the extend kernel.
+    """Decode-only steps run the split-K decode kernel (with RoPE and the KV write inside it, on the fused
+    model path); any step with a prefill chunk runs RoPE + KV write, then the extend kernel.
 
     NOTE: the decode split count depends on the batch size alone (never on host-side lengths), so a
     captured CUDA graph stays valid for every sequence length.
@@ -20,7 +21,8 @@ class TritonAttention(AttentionBackend):
 
     name = "triton"
 
-    def __init__(self, num_sms: int | None = None) -> None:
+    def __init__(self, num_sms: int | None = None, fuse_decode: bool = True) -> None:
+        self.fuse_decode = fuse_decode  # False: rope_kv_write_ then the decode kernel (benchmarks compare both)
         self.num_sms = num_sms or (torch.cuda.get_device_properties(0).multi_processor_count
                                    if torch.cuda.is_available() else 1)
 
@@ -32,8 +34,13 @@ class TritonAttention(AttentionBackend):
 
     def forward_rope(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                      inv_freq: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        """forward() for un-rotated q and k: RoPE and the KV write in one kernel (rope_kv_write.py)."""
+        """forward() for un-rotated q and k. Decode-only: RoPE and the KV write inside the split-K kernel;
+        otherwise RoPE and the KV write in one kernel (rope_kv_write.py), then the extend kernel."""
         k_cache, v_cache = cache.k[layer], cache.v[layer]  # [P, S, KVH, D]
+        if meta.is_decode_only and self.fuse_decode:
+            num_splits = num_splits_for(q.shape[0], k_cache.shape[2], self.num_sms)
+            return decode_attention_rope(q, k, v, positions, inv_freq, k_cache, v_cache, meta.slot_mapping,
+                                         meta.page_table, meta.seq_lens, num_splits)
         rope_kv_write_(q, k, v, positions, inv_freq, k_cache, v_cache, meta.slot_mapping)
         return self._attend(q, k_cache, v_cache, meta)
 

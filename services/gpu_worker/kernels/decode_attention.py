@@ -4,6 +4,15 @@ Grid (B, KVH, NUM_SPLITS): one program holds all GROUP = H / KVH query heads of 
 tile is read once for the whole group. A sequence's keys [0, seq_len) are cut into NUM_SPLITS chunks at run
 time (from seq_lens on the device), which keeps the grid fixed for a CUDA graph; a second kernel merges the
 chunks' partial outputs by their log-sum-exp. With NUM_SPLITS == 1 the first kernel writes the output itself.
+
+decode_attention_rope() also does what rope_kv_write_ does, for a decode step: it reads the step's un-rotated
+q and k, rotates them in registers, attends to the cached keys [0, seq_len - 1) plus the new token held in
+registers, and the split that owns position seq_len - 1 writes the rotated k and v into their cache slot.
+That is one launch fewer per layer (bench/h200_probe.py measures both).
+
+NOTE: merging the splits in the same kernel (the last program to finish, found by an atomic ticket, merges
+them) was measured and dropped: at batch 1 that one program's serial merge made the layer's attention 2×
+slower than the parallel reduce kernel (bench/results/h200_probe_20261202_b.json).
 """
 from __future__ import annotations
 
@@ -18,13 +27,26 @@ MAX_SPLITS = 32
 
 
 @triton.jit
+def _rotate_row(x_ptrs, partner_ptrs, cos, sin, is_first_half, mask):
+    """RoPE (rotate-half) of rows of D loaded whole: x1·cos − x2·sin | x2·cos + x1·sin, fp32.
+
+    NOTE: written as rope._rotate's two expressions (selected, not merged) so the rounding is the same."""
+    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(partner_ptrs, mask=mask, other=0.0).to(tl.float32)
+    return tl.where(is_first_half, x * cos - xp * sin, x * cos + xp * sin)
+
+
+@triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, seq_lens_ptr, out_ptr, part_ptr, lse_ptr,
-                         sm_scale, stride_qb, stride_qh, stride_cs, stride_ch, stride_tb, stride_ob, stride_oh,
-                         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                   kn_ptr, vn_ptr, pos_ptr, inv_freq_ptr, slot_ptr,
+                   sm_scale, stride_qb, stride_qh, stride_cs, stride_ch, stride_tb, stride_ob, stride_oh,
+                   stride_knb, stride_knh, stride_vnb, stride_vnh,
+                   GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                   BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, NEW_TOKEN: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    num_kv_heads = tl.num_programs(1)
     seq_len = tl.load(seq_lens_ptr + b)
     chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
@@ -33,15 +55,32 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, seq_lens_ptr, out_ptr, 
     offs_d = tl.arange(0, HEAD_DIM)
     heads = kvh * GROUP + offs_h  # [BLOCK_H]
     h_mask = offs_h < GROUP
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=h_mask[:, None], other=0.0)  # [BLOCK_H, D]
+    q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh  # [BLOCK_H, 1]
+    cache_end = seq_len
+    if NEW_TOKEN:
+        HALF = HEAD_DIM // 2
+        partner = (offs_d + HALF) % HEAD_DIM
+        is_first_half = offs_d < HALF
+        freqs = tl.load(pos_ptr + b).to(tl.float32) * tl.load(inv_freq_ptr + offs_d % HALF)
+        cos, sin = tl.cos(freqs), tl.sin(freqs)  # [D]: the angles of rope._cos_sin, per half
+        q = _rotate_row(q_rows + offs_d[None, :], q_rows + partner[None, :], cos[None, :], sin[None, :],
+                        is_first_half[None, :], h_mask[:, None]).to(q_ptr.dtype.element_ty)  # [BLOCK_H, D]
+        kn_row = kn_ptr + b * stride_knb + kvh * stride_knh
+        # rounded to k's dtype, then the cache's, as rope_kv_write_ stores it
+        k_new = _rotate_row(kn_row + offs_d, kn_row + partner, cos, sin, is_first_half, offs_d < HEAD_DIM)
+        k_new = k_new.to(kn_ptr.dtype.element_ty).to(k_ptr.dtype.element_ty)  # [D]
+        v_new = tl.load(vn_ptr + b * stride_vnb + kvh * stride_vnh + offs_d).to(v_ptr.dtype.element_ty)  # [D]
+        cache_end = seq_len - 1  # the new token's K/V come from registers, not the cache
+    else:
+        q = tl.load(q_rows + offs_d[None, :], mask=h_mask[:, None], other=0.0)  # [BLOCK_H, D]
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     qk_scale = sm_scale * 1.4426950408889634  # log2(e): exp2 below
-    for n0 in range(start, end, BLOCK_N):
+    kv_end = tl.minimum(end, cache_end)
+    for n0 in range(start, kv_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
+        n_mask = offs_n < kv_end
         page = tl.load(table_ptr + b * stride_tb + offs_n // PAGE_SIZE, mask=n_mask, other=0)
         slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
         kv_off = slot[:, None] * stride_cs + kvh * stride_ch + offs_d[None, :]  # [BLOCK_N, D]
@@ -55,16 +94,33 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, seq_lens_ptr, out_ptr, 
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
+    if NEW_TOKEN:
+        last = seq_len - 1
+        owns = (start <= last) & (last < end)  # exactly one split of the sequence holds position seq_len - 1
+        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * qk_scale  # [BLOCK_H]
+        s_new = tl.where(owns, s_new, float("-inf"))
+        m_new = tl.maximum(m_i, s_new)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # an empty split that does not own it stays empty
+        alpha = tl.exp2(m_i - m_ref)
+        p_new = tl.exp2(s_new - m_ref)
+        l_i = l_i * alpha + p_new
+        acc = acc * alpha[:, None] + p_new.to(v_ptr.dtype.element_ty).to(tl.float32)[:, None] * \
+            v_new.to(tl.float32)[None, :]
+        m_i = m_new
+        dst = tl.load(slot_ptr + b).to(tl.int64) * stride_cs + kvh * stride_ch + offs_d
+        write = tl.where(owns, offs_d < HEAD_DIM, False)  # NOTE: not `tensor & scalar` (the interpreter's mask dtype)
+        tl.store(k_ptr + dst, k_new, mask=write)
+        tl.store(v_ptr + dst, v_new, mask=write)
     if NUM_SPLITS == 1:
         out = acc / l_i[:, None]
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
     else:
         is_empty = l_i == 0.0
-        out = acc / tl.where(is_empty, 1.0, l_i)[:, None]
+        part = acc / tl.where(is_empty, 1.0, l_i)[:, None]
         lse = tl.where(is_empty, float("-inf"), m_i + tl.log2(tl.where(is_empty, 1.0, l_i)))
-        row = (b * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split  # [BLOCK_H] in [B, H, S]
-        tl.store(part_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=h_mask[:, None])
+        row = (b * GROUP * num_kv_heads + heads) * NUM_SPLITS + split  # [BLOCK_H] in [B, H, S]
+        tl.store(part_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], part, mask=h_mask[:, None])
         tl.store(lse_ptr + row, lse, mask=h_mask)
 
 
@@ -89,12 +145,7 @@ def num_splits_for(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
     return min(MAX_SPLITS, 1 << (want - 1).bit_length())
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-                     seq_lens: torch.Tensor, num_splits: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """q: [B, H, D]; k_cache, v_cache: [P, S, KVH, D]; page_table: [B, max_pages] int32; seq_lens: [B] (≥ 1).
-
-    Returns out [B, H, D]: softmax(q·Kᵀ/√D)·V over each sequence's keys [0, seq_len).
-    """
+def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_token):
     num_seqs, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -108,15 +159,42 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
     else:
         part = lse = out
+    k_new, v_new, positions, inv_freq, slots = new_token or (q, q, q, q, q)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, page_table, seq_lens, out, part, lse, 1.0 / math.sqrt(head_dim),
+        q, k_cache, v_cache, page_table, seq_lens, out, part, lse,
+        k_new, v_new, positions, inv_freq, slots, 1.0 / math.sqrt(head_dim),
         q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
-        out.stride(0), out.stride(1), GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits, num_warps=4, num_stages=2)
+        out.stride(0), out.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+        BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits, NEW_TOKEN=new_token is not None, num_warps=4, num_stages=2)
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part, lse, out, out.stride(0), out.stride(1), num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits)
     return out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                     seq_lens: torch.Tensor, num_splits: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [B, H, D]; k_cache, v_cache: [P, S, KVH, D]; page_table: [B, max_pages] int32; seq_lens: [B] (≥ 1).
+
+    Returns out [B, H, D]: softmax(q·Kᵀ/√D)·V over each sequence's keys [0, seq_len).
+    """
+    return _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, None)
+
+
+def decode_attention_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                          inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
+                          num_splits: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """rope_kv_write_ then decode_attention in one kernel, for a decode step (the new token of sequence b sits
+    at position positions[b] = seq_lens[b] - 1, slot slot_mapping[b]).
+
+    q: [B, H, D], k, v: [B, KVH, D] un-rotated (read, not changed); inv_freq: [D/2] fp32. Writes the rotated k
+    and v into the caches and returns out [B, H, D]. q is not rotated in place (rope_kv_write_ does that).
+    """
+    assert k.stride(2) == 1 and v.stride(2) == 1 and inv_freq.dtype == torch.float32
+    return _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out,
+                   (k, v, positions, inv_freq, slot_mapping))
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,

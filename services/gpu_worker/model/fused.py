@@ -69,7 +69,7 @@ def _attention(attn: nn.Module, x: torch.Tensor, positions: torch.Tensor, inv_fr
     v = qkv[:, num_heads + num_kv_heads:]  # [T, KVH, D]
     if hasattr(attn, "q_norm"):
         q, k = attn.q_norm(q), attn.k_norm(k)
-    if hasattr(backend, "forward_rope"):  # the Triton backend: RoPE fused into the KV write
+    if hasattr(backend, "forward_rope"):  # the Triton backend: RoPE inside the KV write (decode: the attention)
         out = backend.forward_rope(attn.layer, q, k, v, positions, inv_freq, cache, meta)  # [T, H, D]
     else:
         rope_(q, k, positions, inv_freq)

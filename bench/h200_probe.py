@@ -1,0 +1,404 @@
+"""Where the decode step's GPU time goes on the H200, in one device call (issue 5's diagnosis, not a figure of
+merit). Llama-3.1-8B shapes, random weights, bf16; phases 1-4 without the engine: the fused forward of
+model/fused.py driven directly over a hand-built paged cache.
+
+  1. batch 1: the captured graph's kernels under the profiler (time per kernel family, idle gaps); graph
+     replay with the fused decode kernel vs the separate ones at B = 1, 128, 384;
+  2. cuBLAS at M = 1 per projection shape, cuBLAS vs cuBLASLt and other call forms, as a fraction of the
+     copy bandwidth;
+  3. batch-1 decode attention per split count (32 layers in one graph) at 640 and 4096 tokens of context,
+     plain and with RoPE + KV write inside (decode_attention_rope);
+  4. two micro-batches on two streams (attention of one beside the GEMMs of the other) vs one batch, at
+     B = 128, 256, 384: whole forward + LM head captured in a graph, replay time;
+  5. the engine's batch-1 decode steps under the profiler (GPU work beside the graph, waits on the host).
+
+    python -m bench.h200_probe --out $OUT [--phases gemv,batch1,splits,micro,engine]
+
+Phase 1 runs with the fused decode kernel (RoPE + KV write inside the split-K kernel) and with the separate
+rope_kv_write_ and decode kernels (TritonAttention(fuse_decode=False)), in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from services.gpu_worker.attention.base import AttentionMetadata
+from services.gpu_worker.attention.triton_backend import TritonAttention
+from services.gpu_worker.kernels.decode_attention import decode_attention, decode_attention_rope
+from services.gpu_worker.kernels.rms_norm import rms_norm
+from services.gpu_worker.kernels.rope_kv_write import rope_kv_write_
+from services.gpu_worker.kernels.silu_mul import silu_mul
+from services.gpu_worker.kv_cache import KVCache
+from services.gpu_worker.model import fused
+from services.gpu_worker.model.llama import LlamaForCausalLM
+from services.gpu_worker.model.presets import preset
+
+PAGE = 16
+
+
+def bench_ms(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
+
+
+def graph_of(fn) -> torch.cuda.CUDAGraph:
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return g
+
+
+class Batch:
+    """B sequences of seq_len tokens each (the last one new) over distinct pages of the cache."""
+
+    def __init__(self, batch: int, seq_len: int, first_page: int, width: int, dev: str) -> None:
+        pages = -(-seq_len // PAGE)
+        table = torch.zeros((batch, width), dtype=torch.int32)
+        table[:, :pages] = (torch.arange(batch * pages, dtype=torch.int32) + first_page).view(batch, pages)
+        self.page_table = table.to(dev)
+        pos = seq_len - 1
+        self.positions = torch.full((batch,), pos, dtype=torch.int32, device=dev)
+        self.slots = (self.page_table[:, pos // PAGE].long() * PAGE + pos % PAGE).to(torch.int32)
+        self.seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device=dev)
+        self.input_ids = torch.randint(0, 1000, (batch,), dtype=torch.int32, device=dev)
+        self.meta = AttentionMetadata(
+            slot_mapping=self.slots, query_start=torch.arange(batch + 1, dtype=torch.int32, device=dev),
+            seq_lens=self.seq_lens, page_table=self.page_table, query_start_host=list(range(batch + 1)),
+            seq_lens_host=[seq_len] * batch, max_query_len=1, max_seq_len=seq_len)
+        self.num_pages = batch * pages
+
+
+def split_forward(model, kv, backend, halves: list[Batch], streams: list[torch.cuda.Stream],
+                  alternate: bool) -> list[torch.Tensor]:
+    """fused.forward of several micro-batches, each on its own stream. alternate: their attention kernels
+    take turns (micro-batch i's layer-l attention waits for micro-batch i-1's), so each one's attention
+    runs beside the others' GEMMs rather than beside another attention."""
+    eps, inv_freq = model.config.rms_norm_eps, model.inv_freq
+    main = torch.cuda.current_stream()
+    state = []
+    for mb, s in zip(halves, streams):
+        s.wait_stream(main)
+        with torch.cuda.stream(s):
+            state.append([model.model.embed_tokens(mb.input_ids), None])
+    prev_done: torch.cuda.Event | None = None
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for i, (mb, s) in enumerate(zip(halves, streams)):
+            with torch.cuda.stream(s):
+                h, residual = state[i]
+                x, residual = rms_norm(h, layer.input_layernorm.weight, eps, residual)
+                t = x.shape[0]
+                qkv = F.linear(x, attn.qkv_weight).view(t, attn.num_heads + 2 * attn.num_kv_heads, attn.head_dim)
+                q, k, v = (qkv[:, :attn.num_heads], qkv[:, attn.num_heads: attn.num_heads + attn.num_kv_heads],
+                           qkv[:, attn.num_heads + attn.num_kv_heads:])
+                if alternate and prev_done is not None:
+                    s.wait_event(prev_done)
+                out = backend.forward_rope(attn.layer, q, k, v, mb.positions, inv_freq, kv, mb.meta)
+                if alternate:
+                    prev_done = torch.cuda.Event()
+                    prev_done.record(s)
+                h = F.linear(out.reshape(t, -1), attn.o_proj.weight)
+                x, residual = rms_norm(h, layer.post_attention_layernorm.weight, eps, residual)
+                h = F.linear(silu_mul(F.linear(x, mlp.gate_up_weight)), mlp.down_proj.weight)
+                state[i] = [h, residual]
+    outs = []
+    for i, s in enumerate(streams):
+        with torch.cuda.stream(s):
+            hidden, _ = rms_norm(state[i][0], model.model.norm.weight, eps, state[i][1])
+            outs.append(model.logits(hidden))
+        main.wait_stream(s)
+    return outs
+
+
+def profile_graph(graph: torch.cuda.CUDAGraph, out: Path, name: str) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+    trace = out / f"{name}_trace.json"
+    prof.export_chrome_trace(str(trace))
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("cat") == "kernel"]
+    trace.unlink()
+    if not events:
+        return {"error": "no kernel events in the trace"}
+    events.sort(key=lambda e: e["ts"])
+    # the last replay only: kernels after the largest gap-free run boundary (replays are back to back)
+    per_replay = len(events) // 3
+    last = events[-per_replay:]
+    fam: dict[str, list[float]] = defaultdict(list)
+    for e in last:
+        n = e["name"]
+        key = ("gemm" if any(s in n.lower() for s in ("gemm", "gemv", "nvjet", "cutlass", "sm90", "splitk"))
+               else n.split("(")[0][:60])
+        fam[key].append(e["dur"])
+    span = last[-1]["ts"] + last[-1]["dur"] - last[0]["ts"]
+    busy = sum(e["dur"] for e in last)
+    gemm_names = sorted({e["name"][:120] for e in last if "gemm" in e["name"].lower() or "gemv" in e["name"].lower()
+                         or "nvjet" in e["name"].lower()})
+    return {"kernels_per_replay": per_replay, "span_us": round(span, 1), "busy_us": round(busy, 1),
+            "gaps_us": round(span - busy, 1),
+            "families": {k: {"count": len(v), "total_us": round(sum(v), 1), "mean_us": round(sum(v) / len(v), 2)}
+                         for k, v in sorted(fam.items(), key=lambda kv: -sum(kv[1]))},
+            "gemm_kernel_names": gemm_names[:12],
+            "first_layer_sequence": [(e["name"][:50], round(e["dur"], 2)) for e in last[:16]]}
+
+
+def engine_batch1(out: Path) -> dict:
+    """The engine's own batch-1 decode steps (overlap mode, one graph bucket) under the profiler: what the GPU
+    runs besides the graph replay, and where it waits for the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.gpu_suite import make_engine
+    from services.gpu_worker.model.loader import load_model
+    from services.gpu_worker.request import SamplingParams
+
+    loaded = load_model("random:llama3-8b", dtype=torch.bfloat16, device="cuda", seed=0)
+    engine = make_engine(loaded, max_num_seqs=1, chunk=8192)
+    loaded.state_dict.clear()
+    torch.cuda.empty_cache()
+    engine.add_request("p", list(range(100, 612)), SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+    for _ in range(60):
+        engine.step()
+    host = []
+    for _ in range(40):
+        t0 = time.perf_counter()
+        engine.step()
+        host.append(time.perf_counter() - t0)
+    steps = 20
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    trace = out / "engine_b1_trace.json"
+    prof.export_chrome_trace(str(trace))
+    events = json.loads(trace.read_text())["traceEvents"]
+    trace.unlink()
+    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    gaps: dict[str, list[float]] = defaultdict(list)
+    for cur, nxt in zip(gpu, gpu[1:]):
+        gap = nxt["ts"] - (cur["ts"] + cur["dur"])
+        if gap > 3.0:
+            gaps[f"{cur['name'][:40]} -> {nxt['name'][:40]}"].append(gap)
+    fam: dict[str, list[float]] = defaultdict(list)
+    for e in gpu:
+        n = e["name"]
+        if not any(t in n.lower() for t in ("gemm", "gemv", "nvjet", "splitk", "_rms_norm", "_decode_", "_silu")):
+            fam[n[:70]].append(e["dur"])
+    span = gpu[-1]["ts"] + gpu[-1]["dur"] - gpu[0]["ts"] if gpu else 0.0
+    busy = sum(e["dur"] for e in gpu)
+    cpu_ops: dict[str, list[float]] = defaultdict(list)
+    for e in events:
+        if e.get("cat") == "cuda_runtime" or e.get("cat") == "cpu_op":
+            cpu_ops[e["name"][:50]].append(e["dur"])
+    top_cpu = sorted(((k, sum(v) / steps, len(v) / steps) for k, v in cpu_ops.items()), key=lambda r: -r[1])[:15]
+    return {"host_step_ms_median": round(sorted(host)[len(host) // 2] * 1e3, 4),
+            "gpu_span_per_step_us": round(span / steps, 1), "gpu_busy_per_step_us": round(busy / steps, 1),
+            "gaps_over_3us_per_step": {k: {"per_step": round(len(v) / steps, 2), "us_per_step": round(sum(v) / steps, 1)}
+                                       for k, v in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:10]},
+            "non_layer_gpu_work_per_step": {k: {"per_step": round(len(v) / steps, 2), "us_per_step": round(sum(v) / steps, 2)}
+                                            for k, v in sorted(fam.items(), key=lambda kv: -sum(kv[1]))[:12]},
+            "host_calls_per_step_us": [(k, round(t, 1), round(n, 1)) for k, t, n in top_cpu]}
+
+
+def gemv_table(copy_tbs: float) -> dict:
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+              "lm_head": (128256, 4096)}
+    res = {}
+    for lib in ("cublas", "cublaslt"):
+        torch.backends.cuda.preferred_blas_library(lib)
+        for name, (n, k) in shapes.items():
+            copies = max(2, min(16, int(2e9 // (n * k * 2))))  # distinct weights: nothing stays in L2
+            ws = [torch.randn((n, k), device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+            x = torch.randn((1, k), device="cuda", dtype=torch.bfloat16)
+            g = graph_of(lambda: [F.linear(x, w) for w in ws])
+            ms = bench_ms(g.replay) / copies
+            tbs = n * k * 2 / (ms * 1e-3) / 1e12
+            res[f"{lib}_{name}"] = {"us": round(ms * 1e3, 2), "tb_s": round(tbs, 3), "of_copy": round(tbs / copy_tbs, 3)}
+            del ws, g
+    torch.backends.cuda.preferred_blas_library("cublas")
+    forms = {"mv": lambda x, w: torch.mv(w, x[0]), "matmul_w_xT": lambda x, w: torch.matmul(w, x.t()),
+             "linear_m2": lambda x, w: F.linear(x.expand(2, -1), w)}
+    for name in ("qkv", "o", "down"):
+        n, k = shapes[name]
+        copies = max(2, min(16, int(2e9 // (n * k * 2))))
+        ws = [torch.randn((n, k), device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        x = torch.randn((1, k), device="cuda", dtype=torch.bfloat16)
+        for form, fn in forms.items():
+            g = graph_of(lambda: [fn(x, w) for w in ws])
+            ms = bench_ms(g.replay) / copies
+            tbs = n * k * 2 / (ms * 1e-3) / 1e12
+            res[f"{form}_{name}"] = {"us": round(ms * 1e3, 2), "tb_s": round(tbs, 3), "of_copy": round(tbs / copy_tbs, 3)}
+            del g
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        g = graph_of(lambda: [F.linear(x, w) for w in ws])
+        ms = bench_ms(g.replay) / copies
+        tbs = n * k * 2 / (ms * 1e-3) / 1e12
+        res[f"linear_no_reduced_precision_{name}"] = {"us": round(ms * 1e3, 2), "tb_s": round(tbs, 3),
+                                                      "of_copy": round(tbs / copy_tbs, 3)}
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
+        del ws, g
+    return res
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    p.add_argument("--phases", default="gemv,batch1,splits,micro,engine")
+    args = p.parse_args()
+    phases = set(args.phases.split(","))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    record: dict = {"command": "python -m bench.h200_probe", "hardware": torch.cuda.get_device_name(),
+                    "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "phases": {}}
+    t_start = time.perf_counter()
+
+    def save(name: str, fig) -> None:
+        record["phases"][name] = fig
+        (out / "h200_probe.json").write_text(json.dumps(record, indent=2))
+        print(f"[{time.perf_counter() - t_start:6.1f}s] {name}: {json.dumps(fig)[:2500]}", flush=True)
+
+    src = torch.empty(2 << 28, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    copy_tbs = 2 * src.numel() * 2 / (bench_ms(lambda: dst.copy_(src)) * 1e-3) / 1e12
+    del src, dst
+    save("copy", {"tb_s": round(copy_tbs, 3)})
+
+    if "gemv" in phases:
+        save("gemv_m1", gemv_table(copy_tbs))
+
+    if "engine" in phases:
+        save("engine_batch1_profile", engine_batch1(out))
+        torch.cuda.empty_cache()
+    if not phases & {"batch1", "splits", "micro"}:
+        return 0
+    cfg = preset("llama3-8b")
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg)
+    torch.set_default_dtype(torch.float32)
+    for prm in model.parameters():
+        prm.data.normal_(0, 0.02)
+    for layer in model.model.layers:
+        layer.input_layernorm.weight.data.fill_(1.0)
+        layer.post_attention_layernorm.weight.data.fill_(1.0)
+    model.model.norm.weight.data.fill_(1.0)
+    model.inv_freq = model.inv_freq.float()
+    model.eval()
+    model.enable_fused_kernels()
+    backend = TritonAttention()
+    max_ctx = 1504
+    num_pages = 1 + 384 * (max_ctx // PAGE) + 64
+    kv = KVCache(cfg.num_layers, num_pages, PAGE, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, "cuda")
+    kv.k.normal_(0, 1)
+    kv.v.normal_(0, 1)
+    width = 4096 // PAGE
+
+    def full(mb: Batch):
+        return lambda: model.logits(fused.forward(model, mb.input_ids, mb.positions, kv, mb.meta, backend))
+
+    # 1. batch 1 at 640 tokens of context: graph replay and its kernels
+    b1 = Batch(1, 640, 1, width, "cuda")
+    fig1: dict = {}
+    with torch.inference_mode():
+        for fuse in ((True, False) if "batch1" in phases else ()):
+            backend.fuse_decode = fuse
+            label = "fused_decode" if fuse else "separate_rope_kv_write"
+            g1 = graph_of(full(b1))
+            fig1[label] = {"replay_ms": round(bench_ms(g1.replay), 4)}
+            try:
+                fig1[label]["profile"] = profile_graph(g1, out, "b1")
+            except Exception as exc:  # the profiler is a diagnosis aid; its absence must not cost the rest
+                fig1[label]["profile"] = {"error": repr(exc)[:300]}
+            del g1
+        if "batch1" in phases:
+            fig1["replay_ratio_fused_over_separate"] = round(
+                fig1["fused_decode"]["replay_ms"] / fig1["separate_rope_kv_write"]["replay_ms"], 4)
+            for batch, ctx in ((128, 640), (384, 1504)):  # W0's and W1's decode steps
+                mb = Batch(batch, ctx, 1, width, "cuda")
+                row = {}
+                for fuse in (True, False):
+                    backend.fuse_decode = fuse
+                    g = graph_of(full(mb))
+                    row["fused_ms" if fuse else "separate_ms"] = round(bench_ms(g.replay), 4)
+                    del g
+                row["ratio"] = round(row["fused_ms"] / row["separate_ms"], 4)
+                fig1[f"B{batch}_L{ctx}"] = row
+            save("batch1_graph", fig1)
+        backend.fuse_decode = True
+
+    # 3. batch-1 decode attention by split count: 32 layers' caches in one graph
+    fig3 = {}
+    for ctx in ((640, 4096) if "splits" in phases else ()):
+        mb = Batch(1, ctx, 1, width, "cuda")
+        qkv = torch.randn((1, 48, 128), device="cuda", dtype=torch.bfloat16)
+        q, k, v = qkv[:, :32], qkv[:, 32:40], qkv[:, 40:]
+        for splits in (4, 8, 16, 32):
+            g = graph_of(lambda: [decode_attention(q, kv.k[i], kv.v[i], mb.page_table, mb.seq_lens, splits)
+                                  for i in range(cfg.num_layers)])
+            fig3[f"L{ctx}_splits{splits}_us_per_layer"] = round(bench_ms(g.replay) * 1e3 / cfg.num_layers, 2)
+            g = graph_of(lambda: [decode_attention_rope(q, k, v, mb.positions, model.inv_freq, kv.k[i], kv.v[i],
+                                                        mb.slots, mb.page_table, mb.seq_lens, splits)
+                                  for i in range(cfg.num_layers)])
+            fig3[f"L{ctx}_splits{splits}_rope_fused_us_per_layer"] = round(
+                bench_ms(g.replay) * 1e3 / cfg.num_layers, 2)
+            del g
+    if fig3:
+        save("batch1_attention_splits", fig3)
+
+    # 4. one batch vs two micro-batches on two streams
+    fig4 = {}
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for batch, ctx in (((128, 640), (256, 1504), (384, 1504)) if "micro" in phases else ()):
+        whole = Batch(batch, ctx, 1, width, "cuda")
+        half = batch // 2
+        halves = [Batch(half, ctx, 1, width, "cuda"), Batch(half, ctx, 1 + whole.num_pages // 2, width, "cuda")]
+        row = {}
+        with torch.inference_mode():
+            g = graph_of(full(whole))
+            row["one_batch_ms"] = round(bench_ms(g.replay), 3)
+            del g
+            for label, strs, alt in (("two_halves_one_stream_ms", [streams[0], streams[0]], False),
+                                     ("two_streams_free_ms", streams, False),
+                                     ("two_streams_alternating_ms", streams, True)):
+                g = graph_of(lambda: split_forward(model, kv, backend, halves, strs, alt))
+                row[label] = round(bench_ms(g.replay), 3)
+                del g
+            # the parts of one layer at the whole batch: attention core alone, GEMMs alone
+            layer = model.model.layers[0]
+            attn = layer.self_attn
+            x = torch.randn((batch, 4096), device="cuda", dtype=torch.bfloat16)
+            qkv = F.linear(x, attn.qkv_weight).view(batch, 48, 128)
+            g = graph_of(lambda: [backend.forward_rope(i, qkv[:, :32], qkv[:, 32:40], qkv[:, 40:], whole.positions,
+                                                       model.inv_freq, kv, whole.meta) for i in range(32)])
+            row["attention_32_layers_ms"] = round(bench_ms(g.replay), 3)
+            del g
+            mlps = [lay.mlp for lay in model.model.layers]
+            g = graph_of(lambda: [F.linear(silu_mul(F.linear(F.linear(F.linear(x, lay.self_attn.qkv_weight)[:, :4096],
+                                                                            lay.self_attn.o_proj.weight),
+                                                                   m.gate_up_weight)), m.down_proj.weight)
+                                  for lay, m in zip(model.model.layers, mlps)])
+            row["gemms_32_layers_ms"] = round(bench_ms(g.replay), 3)
+            del g
+        kv_bytes = batch * ctx * 131072
+        row["roofline_ms"] = round((16.06e9 + kv_bytes) / (copy_tbs * 1e12) * 1e3, 3)
+        fig4[f"B{batch}_L{ctx}"] = row
+        save("micro_batches", fig4)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
