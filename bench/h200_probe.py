@@ -10,9 +10,10 @@ model/fused.py driven directly over a hand-built paged cache.
      plain and with RoPE + KV write inside (decode_attention_rope);
   4. two micro-batches on two streams (attention of one beside the GEMMs of the other) vs one batch, at
      B = 128, 256, 384: whole forward + LM head captured in a graph, replay time;
-  5. the engine's batch-1 decode steps under the profiler (GPU work beside the graph, waits on the host).
+  5. the engine's batch-1 decode steps under the profiler (GPU work beside the graph, waits on the host);
+  6. W1's shape with the decodes of mixed steps on the decode kernel vs on the extend kernel.
 
-    python -m bench.h200_probe --out $OUT [--phases gemv,batch1,splits,micro,engine]
+    python -m bench.h200_probe --out $OUT [--phases gemv,batch1,splits,micro,engine,mixed]
 
 Phase 1 runs with the fused decode kernel (RoPE + KV write inside the split-K kernel) and with the separate
 rope_kv_write_ and decode kernels (TritonAttention(fuse_decode=False)), in the same run.
@@ -213,6 +214,37 @@ def engine_batch1(out: Path) -> dict:
             "host_calls_per_step_us": [(k, round(t, 1), round(n, 1)) for k, t, n in top_cpu]}
 
 
+def w1_mixed_steps(num_requests: int) -> dict:
+    """W1's shape (1000 → 1000, 384 sequences) on one engine, twice: mixed steps sending their decodes to the
+    decode kernel (the default), then to the extend kernel with the prefill chunks (fuse_decode=False; the
+    decode-only graphs were captured with the default and stay as they are). Same prompts, same run."""
+    from bench.gpu_suite import make_engine, prompts_for, run_timed
+    from services.gpu_worker.model.loader import load_model
+
+    loaded = load_model("random:llama3-8b", dtype=torch.bfloat16, device="cuda", seed=0)
+    engine = make_engine(loaded, max_num_seqs=384, chunk=8192)
+    loaded.state_dict.clear()
+    torch.cuda.empty_cache()
+    engine.is_overlapped = True
+    prompts = prompts_for(num_requests, 1000, engine.model_config.vocab_size, 2)
+    res: dict = {"num_requests": num_requests}
+    for fuse in (True, False):  # warm-up: mixed steps of 8 and 16 decodes compile each path's kernels
+        engine.backend.fuse_decode = fuse
+        run_timed(engine, prompts[:20], 4)
+    for fuse in (True, False):
+        engine.backend.fuse_decode = fuse
+        r = run_timed(engine, prompts, 1000)
+        decode_s = sum(dt for *_, dt in r["decode_steps"])
+        res["decodes_to_decode_kernel" if fuse else "decodes_to_extend_kernel"] = {
+            "seconds": round(r["seconds"], 3), "output_tok_s": round(r["output_tok_s"], 1),
+            "decode_only_steps": len(r["decode_steps"]), "decode_only_seconds": round(decode_s, 3),
+            "steps_with_prefill_seconds": round(r["seconds"] - decode_s, 3)}
+    engine.backend.fuse_decode = True
+    res["throughput_ratio"] = round(res["decodes_to_decode_kernel"]["output_tok_s"]
+                                    / res["decodes_to_extend_kernel"]["output_tok_s"], 4)
+    return res
+
+
 def gemv_table(copy_tbs: float) -> dict:
     shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
               "lm_head": (128256, 4096)}
@@ -256,7 +288,8 @@ def gemv_table(copy_tbs: float) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
-    p.add_argument("--phases", default="gemv,batch1,splits,micro,engine")
+    p.add_argument("--phases", default="gemv,batch1,splits,micro,engine,mixed")
+    p.add_argument("--mixed-requests", type=int, default=1000, help="W1 requests for the mixed-steps phase")
     args = p.parse_args()
     phases = set(args.phases.split(","))
     out = Path(args.out)
@@ -281,6 +314,9 @@ def main() -> int:
 
     if "engine" in phases:
         save("engine_batch1_profile", engine_batch1(out))
+        torch.cuda.empty_cache()
+    if "mixed" in phases:
+        save("w1_mixed_steps", w1_mixed_steps(args.mixed_requests))
         torch.cuda.empty_cache()
     if not phases & {"batch1", "splits", "micro"}:
         return 0

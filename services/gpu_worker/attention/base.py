@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -36,6 +37,15 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+    @cached_property
+    def num_leading_single(self) -> int:
+        """How many sequences at the front of the batch have exactly one new token (decodes come first)."""
+        starts = self.query_start_host
+        n = 0
+        while n < self.num_seqs and starts[n + 1] - starts[n] == 1:
+            n += 1
+        return n
 
 
 class AttentionBackend(ABC):

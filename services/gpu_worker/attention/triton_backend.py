@@ -12,8 +12,8 @@ from services.gpu_worker.kv_cache import KVCache
 
 
 class TritonAttention(AttentionBackend):
-    """Decode-only steps run the split-K decode kernel (with RoPE and the KV write inside it, on the fused
-    model path); any step with a prefill chunk runs RoPE + KV write, then the extend kernel.
+    """Sequences with one new token run the split-K decode kernel (with RoPE and the KV write inside it, on
+    the fused model path); sequences with a prefill chunk run RoPE + KV write, then the extend kernel.
 
     NOTE: the decode split count depends on the batch size alone (never on host-side lengths), so a
     captured CUDA graph stays valid for every sequence length.
@@ -22,7 +22,9 @@ class TritonAttention(AttentionBackend):
     name = "triton"
 
     def __init__(self, num_sms: int | None = None, fuse_decode: bool = True) -> None:
-        self.fuse_decode = fuse_decode  # False: rope_kv_write_ then the decode kernel (benchmarks compare both)
+        # False: rope_kv_write_ over every token, then the decode kernel (decode-only steps) or the extend kernel
+        # for the whole batch (mixed steps), as before decode_attention_rope; benchmarks compare both
+        self.fuse_decode = fuse_decode
         self.num_sms = num_sms or (torch.cuda.get_device_properties(0).multi_processor_count
                                    if torch.cuda.is_available() else 1)
 
@@ -34,15 +36,27 @@ class TritonAttention(AttentionBackend):
 
     def forward_rope(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                      inv_freq: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        """forward() for un-rotated q and k. Decode-only: RoPE and the KV write inside the split-K kernel;
-        otherwise RoPE and the KV write in one kernel (rope_kv_write.py), then the extend kernel."""
+        """forward() for un-rotated q and k. Sequences with one new token (decodes, first in the batch) run the
+        split-K decode kernel with RoPE and the KV write inside it; the rest run RoPE + KV write in one kernel
+        (rope_kv_write.py), then the extend kernel.
+
+        NOTE: in a mixed step the decodes go to the decode kernel too: the extend kernel runs one query head
+        per program, so it would read each decode's KV once per head of its group."""
         k_cache, v_cache = cache.k[layer], cache.v[layer]  # [P, S, KVH, D]
-        if meta.is_decode_only and self.fuse_decode:
-            num_splits = num_splits_for(q.shape[0], k_cache.shape[2], self.num_sms)
-            return decode_attention_rope(q, k, v, positions, inv_freq, k_cache, v_cache, meta.slot_mapping,
-                                         meta.page_table, meta.seq_lens, num_splits)
-        rope_kv_write_(q, k, v, positions, inv_freq, k_cache, v_cache, meta.slot_mapping)
-        return self._attend(q, k_cache, v_cache, meta)
+        num_single = meta.num_leading_single if self.fuse_decode else 0
+        if num_single == 0:
+            rope_kv_write_(q, k, v, positions, inv_freq, k_cache, v_cache, meta.slot_mapping)
+            return self._attend(q, k_cache, v_cache, meta)
+        n = num_single
+        out = torch.empty_like(q)
+        decode_attention_rope(q[:n], k[:n], v[:n], positions[:n], inv_freq, k_cache, v_cache, meta.slot_mapping[:n],
+                              meta.page_table[:n], meta.seq_lens[:n], num_splits_for(n, k_cache.shape[2], self.num_sms),
+                              out=out[:n])
+        if n < meta.num_seqs:
+            rope_kv_write_(q[n:], k[n:], v[n:], positions[n:], inv_freq, k_cache, v_cache, meta.slot_mapping[n:])
+            extend_attention(q, k_cache, v_cache, meta.query_start[n:], meta.seq_lens[n:], meta.page_table[n:],
+                             meta.max_query_len, out=out)
+        return out
 
     def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -66,12 +66,15 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, qstart_ptr, seq_lens_ptr, table
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start: torch.Tensor,
                      seq_lens: torch.Tensor, page_table: torch.Tensor, max_query_len: int,
-                     block_m: int = 64, block_n: int = 64) -> torch.Tensor:
+                     block_m: int = 64, block_n: int = 64, out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, D]; caches [P, S, KVH, D] already holding the new K/V; query_start: [B+1]; seq_lens: [B];
-    page_table: [B, max_pages] → out [T, H, D]."""
+    page_table: [B, max_pages] → out [T, H, D].
+
+    query_start holds row indices into q and out, so a batch's tail of sequences can be passed alone (views
+    query_start[n:], seq_lens[n:], page_table[n:]) with the whole q and out: only those rows are written."""
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0:
         return out
