@@ -216,8 +216,8 @@ def engine_batch1(out: Path) -> dict:
 
 def w1_mixed_steps(num_requests: int) -> dict:
     """W1's shape (1000 → 1000, 384 sequences) on one engine, twice: mixed steps sending their decodes to the
-    decode kernel (the default), then to the extend kernel with the prefill chunks (fuse_decode=False; the
-    decode-only graphs were captured with the default and stay as they are). Same prompts, same run."""
+    decode kernel (TritonAttention.mixed_decodes_to_decode_kernel), then to the extend kernel with the prefill
+    chunks (the default). Decode-only steps replay the same graphs in both. Same prompts, same run."""
     from bench.gpu_suite import make_engine, prompts_for, run_timed
     from services.gpu_worker.model.loader import load_model
 
@@ -228,18 +228,20 @@ def w1_mixed_steps(num_requests: int) -> dict:
     engine.is_overlapped = True
     prompts = prompts_for(num_requests, 1000, engine.model_config.vocab_size, 2)
     res: dict = {"num_requests": num_requests}
-    for fuse in (True, False):  # warm-up: mixed steps of 8 and 16 decodes compile each path's kernels
-        engine.backend.fuse_decode = fuse
-        run_timed(engine, prompts[:20], 4)
-    for fuse in (True, False):
-        engine.backend.fuse_decode = fuse
+    # warm-up: mixed steps of 8 to 48 decodes compile every split count's eager variant of each path (the
+    # first A/B, with a 20-request warm-up, left compiles inside the timed run)
+    for to_decode in (True, False):
+        engine.backend.mixed_decodes_to_decode_kernel = to_decode
+        run_timed(engine, prompts[:64], 16)
+    for to_decode in (True, False):
+        engine.backend.mixed_decodes_to_decode_kernel = to_decode
         r = run_timed(engine, prompts, 1000)
         decode_s = sum(dt for *_, dt in r["decode_steps"])
-        res["decodes_to_decode_kernel" if fuse else "decodes_to_extend_kernel"] = {
+        res["decodes_to_decode_kernel" if to_decode else "decodes_to_extend_kernel"] = {
             "seconds": round(r["seconds"], 3), "output_tok_s": round(r["output_tok_s"], 1),
             "decode_only_steps": len(r["decode_steps"]), "decode_only_seconds": round(decode_s, 3),
             "steps_with_prefill_seconds": round(r["seconds"] - decode_s, 3)}
-    engine.backend.fuse_decode = True
+    engine.backend.mixed_decodes_to_decode_kernel = False
     res["throughput_ratio"] = round(res["decodes_to_decode_kernel"]["output_tok_s"]
                                     / res["decodes_to_extend_kernel"]["output_tok_s"], 4)
     return res

@@ -46,13 +46,13 @@ def _step(new_and_cached: list[tuple[int, int]], num_heads=4, num_kv_heads=2, he
     return q, k, v, torch.tensor(positions, device=DEVICE), inv_freq, cache, meta
 
 
-@pytest.mark.parametrize("fuse_decode", [True, False])
+@pytest.mark.parametrize("fuse_decode,mixed_to_decode", [(True, True), (True, False), (False, False)])
 @pytest.mark.parametrize("new_and_cached", [
     [(1, 8), (1, 0), (5, 7), (3, 0)],  # decodes first, then prefill chunks (with and without a cached prefix)
     [(1, 20), (1, 3)],  # decode-only
     [(6, 2), (1, 9)],  # a chunk first: only a leading run of one-token sequences takes the decode kernel
 ], ids=["mixed", "decode_only", "chunk_first"])
-def test_forward_rope_equals_the_reference(new_and_cached, fuse_decode):
+def test_forward_rope_equals_the_reference(new_and_cached, fuse_decode, mixed_to_decode):
     q, k, v, positions, inv_freq, cache, meta = _step(new_and_cached)
     ref_cache = KVCache(1, cache.num_pages, PAGE, cache.k.shape[3], cache.k.shape[4], torch.float32, DEVICE)
     ref_cache.k.copy_(cache.k)
@@ -60,7 +60,8 @@ def test_forward_rope_equals_the_reference(new_and_cached, fuse_decode):
     ref_q, ref_k = rope_ref(q, k, positions, inv_freq)
     ref = TorchAttention().forward(0, ref_q, ref_k, v, ref_cache, meta)
 
-    out = TritonAttention(num_sms=4, fuse_decode=fuse_decode).forward_rope(0, q, k, v, positions, inv_freq, cache, meta)
+    backend = TritonAttention(num_sms=4, fuse_decode=fuse_decode, mixed_decodes_to_decode_kernel=mixed_to_decode)
+    out = backend.forward_rope(0, q, k, v, positions, inv_freq, cache, meta)
     assert rel_err(out, ref) < 2e-3
     assert rel_err(cache.k, ref_cache.k) < 1e-5 and torch.equal(cache.v, ref_cache.v)
 
@@ -72,8 +73,10 @@ def test_leading_single_token_sequences_are_counted_once_per_step():
     assert meta.num_leading_single == 0
 
 
-def test_mixed_step_sends_its_decodes_to_the_decode_kernel(monkeypatch):
-    """The extend kernel sees only the prefill chunks; the decode kernel gets the leading decodes."""
+@pytest.mark.parametrize("mixed_to_decode", [True, False])
+def test_mixed_step_sends_its_decodes_to_the_decode_kernel_when_asked(monkeypatch, mixed_to_decode):
+    """With the option the extend kernel sees only the prefill chunks and the decode kernel the leading
+    decodes; without it (the default) the extend kernel takes the whole mixed step."""
     from services.gpu_worker.attention import triton_backend
 
     calls: dict[str, list[int]] = {"decode": [], "extend": []}
@@ -90,5 +93,6 @@ def test_mixed_step_sends_its_decodes_to_the_decode_kernel(monkeypatch):
     monkeypatch.setattr(triton_backend, "decode_attention_rope", decode)
     monkeypatch.setattr(triton_backend, "extend_attention", extend)
     q, k, v, positions, inv_freq, cache, meta = _step([(1, 8), (1, 0), (1, 5), (5, 7), (3, 0)])
-    TritonAttention(num_sms=4).forward_rope(0, q, k, v, positions, inv_freq, cache, meta)
-    assert calls == {"decode": [3], "extend": [2]}
+    backend = TritonAttention(num_sms=4, mixed_decodes_to_decode_kernel=mixed_to_decode)
+    backend.forward_rope(0, q, k, v, positions, inv_freq, cache, meta)
+    assert calls == ({"decode": [3], "extend": [2]} if mixed_to_decode else {"decode": [], "extend": [5]})

@@ -12,8 +12,10 @@ from services.gpu_worker.kv_cache import KVCache
 
 
 class TritonAttention(AttentionBackend):
-    """Sequences with one new token run the split-K decode kernel (with RoPE and the KV write inside it, on
-    the fused model path); sequences with a prefill chunk run RoPE + KV write, then the extend kernel.
+    """Decode-only steps run the split-K decode kernel (with RoPE and the KV write inside it, on the fused
+    model path); steps with a prefill chunk run RoPE + KV write, then the extend kernel for every sequence
+    (or, with mixed_decodes_to_decode_kernel, the extend kernel for the chunks and the decode kernel for the
+    decodes in front of them).
 
     NOTE: the decode split count depends on the batch size alone (never on host-side lengths), so a
     captured CUDA graph stays valid for every sequence length.
@@ -21,10 +23,13 @@ class TritonAttention(AttentionBackend):
 
     name = "triton"
 
-    def __init__(self, num_sms: int | None = None, fuse_decode: bool = True) -> None:
-        # False: rope_kv_write_ over every token, then the decode kernel (decode-only steps) or the extend kernel
-        # for the whole batch (mixed steps), as before decode_attention_rope; benchmarks compare both
+    def __init__(self, num_sms: int | None = None, fuse_decode: bool = True,
+                 mixed_decodes_to_decode_kernel: bool = False) -> None:
+        # False: rope_kv_write_ then the decode kernel, as before decode_attention_rope (benchmarks compare both)
         self.fuse_decode = fuse_decode
+        # NOTE: off by default: its one H200 A/B (bench/h200_probe.py --phases mixed) measured 0.95× W1
+        # throughput, likely from Triton compiles inside the timed run; see docs/PERFORMANCE.md
+        self.mixed_decodes_to_decode_kernel = mixed_decodes_to_decode_kernel
         self.num_sms = num_sms or (torch.cuda.get_device_properties(0).multi_processor_count
                                    if torch.cuda.is_available() else 1)
 
@@ -36,14 +41,17 @@ class TritonAttention(AttentionBackend):
 
     def forward_rope(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                      inv_freq: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        """forward() for un-rotated q and k. Sequences with one new token (decodes, first in the batch) run the
-        split-K decode kernel with RoPE and the KV write inside it; the rest run RoPE + KV write in one kernel
-        (rope_kv_write.py), then the extend kernel.
+        """forward() for un-rotated q and k. The leading sequences with one new token (decodes come first) run
+        the split-K decode kernel with RoPE and the KV write inside it, when the step is decode-only or
+        mixed_decodes_to_decode_kernel is set; the rest run RoPE + KV write in one kernel (rope_kv_write.py),
+        then the extend kernel.
 
-        NOTE: in a mixed step the decodes go to the decode kernel too: the extend kernel runs one query head
-        per program, so it would read each decode's KV once per head of its group."""
+        Why send a mixed step's decodes to the decode kernel: the extend kernel runs one query head per
+        program, so it reads each decode's KV once per head of its group."""
         k_cache, v_cache = cache.k[layer], cache.v[layer]  # [P, S, KVH, D]
         num_single = meta.num_leading_single if self.fuse_decode else 0
+        if num_single < meta.num_seqs and not self.mixed_decodes_to_decode_kernel:
+            num_single = 0
         if num_single == 0:
             rope_kv_write_(q, k, v, positions, inv_freq, k_cache, v_cache, meta.slot_mapping)
             return self._attend(q, k_cache, v_cache, meta)
