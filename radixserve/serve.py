@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -20,6 +22,10 @@ class Child:
     argv: list[str]
     process: subprocess.Popen | None = None
     env: dict[str, str] = field(default_factory=dict)  # on top of serve's own environment
+
+    @property
+    def module(self) -> str:
+        return self.argv[0]
 
 
 @dataclass
@@ -36,12 +42,17 @@ class Suite:
 
     def stop(self, timeout_s: float = 10.0, drain_timeout_s: float = 0.0) -> None:
         """SIGTERM the gateway first and give it drain_timeout_s to finish in-flight requests (which need every
-        other service), then the rest; a child still running timeout_s later is killed."""
-        gateways = [c for c in self.children if c.name == "gateway"]
+        other service), then the workers, then the rest, then Redis; a child still running timeout_s after its
+        SIGTERM is killed."""
+        gateways = [c for c in self.children if c.module == "services.gateway"]
+        workers = [c for c in self.children if c.module == "services.gpu_worker"]
         _terminate(gateways, drain_timeout_s + timeout_s)
-        _terminate([c for c in reversed(self.children) if c not in gateways], timeout_s)
+        # NOTE: workers before the services they talk to: their last messages (failures, WorkerGone) are
+        # flushed to live peers at once, where a peer already gone would hold each worker for its whole linger.
+        _terminate(workers, timeout_s)
+        _terminate([c for c in reversed(self.children) if c not in gateways and c not in workers], timeout_s)
         if self.redis is not None:
-            self.redis.shutdown()
+            _stop_redis(self.redis)
             self.redis = None
 
 
@@ -56,8 +67,20 @@ def _terminate(children: list[Child], timeout_s: float) -> None:
         try:
             child.process.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            print(f"radixserve: {child.name} did not stop within {timeout_s:g}s; killing it", file=sys.stderr)
             child.process.kill()
             child.process.wait()
+
+
+def _stop_redis(server: object) -> None:
+    """SHUTDOWN the embedded redis-server: it saves, exits, and so closes the connection (SHUTDOWN's answer)."""
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    # NOTE: without retries: redis-py's default ones take that closed connection for a fault and reconnect
+    # to the removed socket with backoff, which held shutdown() ~4 s after the server had gone.
+    server.set_retry(Retry(NoBackoff(), 0))
+    server.shutdown()
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -139,8 +162,8 @@ def worker_roles(args: argparse.Namespace) -> list[tuple[str, str]]:
         raise ValueError("--tensor-parallel-size must be >= 1")
     if not getattr(args, "pd", ""):
         workers = [(f"worker{i}", "mixed") for i in range(args.workers)]
-        gpus = _gpu_ids()
-        if tp > 1 and args.device in ("cuda", "auto") and gpus and len(workers) * tp > len(gpus):
+        gpus = _gpu_ids() if tp > 1 and args.device in ("cuda", "auto") else []
+        if gpus and len(workers) * tp > len(gpus):
             raise ValueError(f"{len(workers)} worker(s) × --tensor-parallel-size {tp} need {len(workers) * tp} "
                              f"GPUs; {len(gpus)} visible")
         return workers
@@ -166,8 +189,8 @@ def _describe(workers: list[tuple[str, str]]) -> str:
 def _worker_placement(device: str, index: int, tp: int) -> tuple[str, dict[str, str]]:
     """Worker `index`'s --device and extra environment: one GPU each (round-robin) or, with tensor
     parallelism, its own tp GPUs (CUDA_VISIBLE_DEVICES; its rank r takes cuda:r of those)."""
-    gpus = _gpu_ids()
-    if device not in ("cuda", "auto") or not gpus:
+    gpus = _gpu_ids() if device in ("cuda", "auto") else []  # NOTE: no torch import (seconds) for a CPU run
+    if not gpus:
         return device, {}
     if tp > 1:
         return "cuda", {"CUDA_VISIBLE_DEVICES": ",".join(gpus[index * tp:(index + 1) * tp])}
@@ -196,8 +219,8 @@ def _start_redis(suite: Suite, run_dir: Path) -> str:
     return f"unix://{suite.redis.socket_file}"
 
 
-def wait_ready(suite: Suite, url: str, timeout_s: float, api_keys: list[str]) -> bool:
-    """Poll /health until a worker serves; show progress; False if a child died or time ran out."""
+def wait_ready(suite: Suite, url: str, timeout_s: float, api_keys: list[str], stop: threading.Event) -> bool:
+    """Poll /health until a worker serves or stop is set; show progress; False if a child died or time ran out."""
     started = time.monotonic()
     while time.monotonic() - started < timeout_s:
         dead = suite.first_dead()
@@ -209,7 +232,8 @@ def wait_ready(suite: Suite, url: str, timeout_s: float, api_keys: list[str]) ->
             return True
         print(f"\rradixserve: loading the model ... {time.monotonic() - started:4.0f}s", end="",
               file=sys.stderr, flush=True)
-        time.sleep(1.0)
+        if stop.wait(1.0):  # a stop signal needs no ready server (and SIGTERM must not wait for one)
+            return True
     print(f"\nradixserve: no worker became ready within {timeout_s:.0f}s", file=sys.stderr)
     return False
 
@@ -231,27 +255,29 @@ def run_serve(args: argparse.Namespace) -> int:
     run_dir = Path(tempfile.mkdtemp(prefix="radixserve-"))
     env = dict(os.environ, RADIXSERVE_LOG_JSON=os.environ.get("RADIXSERVE_LOG_JSON", "0"))
     suite = build_suite(args, run_dir)
-    stop = {"requested": False}
+    gc.freeze()  # NOTE: torch, if it counted GPUs, lives until exit: frozen, its objects cost no collection at exit
+    stop = threading.Event()
 
     def on_signal(signum, frame) -> None:
-        stop["requested"] = True
+        stop.set()
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     suite.start(env)
     url = f"http://{args.host}:{args.port}"
     try:
-        if not wait_ready(suite, url, args.ready_timeout, args.api_key):
+        if not wait_ready(suite, url, args.ready_timeout, args.api_key, stop):
             return 1
-        print(f"\nradixserve ready: {url}/v1  (model {args.model}, {_describe(workers)}); Ctrl-C stops",
-              file=sys.stderr, flush=True)
-        while not stop["requested"]:
+        if not stop.is_set():
+            print(f"\nradixserve ready: {url}/v1  (model {args.model}, {_describe(workers)}); Ctrl-C stops",
+                  file=sys.stderr, flush=True)
+        while not stop.is_set():
             dead = suite.first_dead()
             if dead is not None:
                 print(f"radixserve: {dead.name} exited with code {dead.process.returncode}; stopping",
                       file=sys.stderr)
                 return 1
-            time.sleep(0.5)
+            stop.wait(0.5)  # NOTE: the signal handler's set() ends this wait at once, not at the next poll
         return 0
     finally:
         suite.stop(drain_timeout_s=args.drain_timeout)
