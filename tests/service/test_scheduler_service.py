@@ -35,6 +35,9 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 10.0
 HEARTBEAT_TIMEOUT_S = 1.0
+# For tests whose fake workers heartbeat once and then wait on their inboxes for longer than
+# HEARTBEAT_TIMEOUT_S in all (0.3 s settles add up): they test routing, not expiry.
+PATIENT = ("--heartbeat-timeout-s", "10")
 
 
 def load(running: int = 0, free: int = 100) -> WorkerLoad:
@@ -203,7 +206,7 @@ def test_status_counts_workers_queue_and_in_flight(rig: Rig) -> None:
 
 
 def test_least_load_spreads_a_burst_and_counts_its_own_in_flight() -> None:
-    for rig in start_rig("--routing", "least_load"):
+    for rig in start_rig("--routing", "least_load", *PATIENT):
         check_least_load_spreads_a_burst(rig)
 
 
@@ -225,7 +228,12 @@ def check_least_load_spreads_a_burst(rig: Rig) -> None:
     assert rig.errors.take_all(settle_s=0.05) == []
 
 
-def test_abort_goes_to_the_worker_running_the_request(rig: Rig) -> None:
+def test_abort_goes_to_the_worker_running_the_request() -> None:
+    for rig in start_rig(*PATIENT):
+        check_abort_goes_to_the_worker_running_the_request(rig)
+
+
+def check_abort_goes_to_the_worker_running_the_request(rig: Rig) -> None:
     a, b = rig.worker("a"), rig.worker("b")
     a.heartbeat()
     b.heartbeat()
@@ -424,7 +432,7 @@ def test_redis_outage_routes_on_load_alone_then_recovers() -> None:
     try:
         client.sadd(redis_index.block_key(301), "b")
         for rig in start_rig("--redis-url", server.url, "--redis-timeout-s", "0.5", "--redis-retry-s", "0.3",
-                             "--pending-ttl-s", "0"):
+                             "--pending-ttl-s", "0", *PATIENT):
             a, b = rig.worker("a"), rig.worker("b")
             a.heartbeat()
             b.heartbeat()
