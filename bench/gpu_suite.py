@@ -49,10 +49,11 @@ def run_gpu_tests(out: Path) -> dict:
     return {"returncode": proc.returncode, "summary": (proc.stdout.strip().splitlines() or [""])[-1]}
 
 
-def _bench(fn) -> float:
+def time_gpu(fn, warmup: int = 25, rep: int = 200) -> float:
+    """Median seconds of fn on the GPU (triton.testing.do_bench: L2 flushed between runs)."""
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e-3  # seconds
+    return triton.testing.dotime_gpu(fn, warmup=warmup, rep=rep, return_mode="median") * 1e-3
 
 
 def kernel_bandwidth() -> dict:
@@ -69,7 +70,7 @@ def kernel_bandwidth() -> dict:
     res: dict = {}
     src = torch.randn(2 << 28, device=dev, dtype=bf)  # 1 GiB
     dst = torch.empty_like(src)
-    res["copy_1GiB"] = _row(2 * src.numel() * 2, _bench(lambda: dst.copy_(src)))
+    res["copy_1GiB"] = _row(2 * src.numel() * 2, time_gpu(lambda: dst.copy_(src)))
     del src, dst
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     for batch, seq_len in ((1, 4096), (64, 2048), (256, 1504)):
@@ -80,7 +81,7 @@ def kernel_bandwidth() -> dict:
         lens = torch.full((batch,), seq_len, dtype=torch.int32, device=dev)
         q = torch.randn((batch, 32, 128), device=dev, dtype=bf)
         splits = num_splits_for(batch, 8, num_sms)
-        t = _bench(lambda: decode_attention(q, k_cache, v_cache, table, lens, splits))
+        t = time_gpu(lambda: decode_attention(q, k_cache, v_cache, table, lens, splits))
         res[f"decode_attention_B{batch}_L{seq_len}"] = {**_row(batch * seq_len * 8 * 128 * 2 * 2, t), "splits": splits}
         del k_cache, v_cache
     for num_seqs, q_len in ((4, 512), (1, 2048)):
@@ -91,28 +92,30 @@ def kernel_bandwidth() -> dict:
         lens = torch.full((num_seqs,), q_len, dtype=torch.int32, device=dev)
         qs = torch.arange(num_seqs + 1, device=dev, dtype=torch.int32) * q_len
         q = torch.randn((num_seqs * q_len, 32, 128), device=dev, dtype=bf)
-        t = _bench(lambda: extend_attention(q, k_cache, v_cache, qs, lens, table, q_len))
+        t = time_gpu(lambda: extend_attention(q, k_cache, v_cache, qs, lens, table, q_len))
         flops = num_seqs * 32 * 4 * 128 * q_len * q_len / 2  # causal: QK and PV, 2 flops per MAC
         res[f"extend_attention_{num_seqs}x{q_len}"] = {"seconds": t, "tflops": flops / t / 1e12}
     for tokens in (1, 256, 4096):
         x, r = torch.randn((tokens, 4096), device=dev, dtype=bf), torch.randn((tokens, 4096), device=dev, dtype=bf)
         w = torch.randn(4096, device=dev, dtype=bf)
-        res[f"rms_norm_residual_T{tokens}"] = _row(4 * tokens * 4096 * 2, _bench(lambda: rms_norm(x, w, 1e-5, r)))
+        res[f"rms_norm_residual_T{tokens}"] = _row(4 * tokens * 4096 * 2, time_gpu(lambda: rms_norm(x, w, 1e-5, r)))
         qkv = torch.randn((tokens, 48, 128), device=dev, dtype=bf)
         pos = torch.randint(0, 8192, (tokens,), device=dev)
         inv = torch.rand(64, device=dev)
-        res[f"rope_T{tokens}"] = _row(2 * tokens * 40 * 128 * 2, _bench(lambda: rope_(qkv[:, :32], qkv[:, 32:40], pos, inv)))
+        res[f"rope_T{tokens}"] = _row(2 * tokens * 40 * 128 * 2,
+                                      time_gpu(lambda: rope_(qkv[:, :32], qkv[:, 32:40], pos, inv)))
         gu = torch.randn((tokens, 2 * 14336), device=dev, dtype=bf)
-        res[f"silu_mul_T{tokens}"] = _row(3 * tokens * 14336 * 2, _bench(lambda: silu_mul(gu)))
+        res[f"silu_mul_T{tokens}"] = _row(3 * tokens * 14336 * 2, time_gpu(lambda: silu_mul(gu)))
         kc = torch.randn((tokens // 16 + 2, 16, 8, 128), device=dev, dtype=bf)
         vc = torch.randn_like(kc)
         slots = torch.randperm(tokens, device=dev).to(torch.int32) + 16
-        res[f"kv_write_T{tokens}"] = _row(4 * tokens * 8 * 128 * 2, _bench(
+        res[f"kv_write_T{tokens}"] = _row(4 * tokens * 8 * 128 * 2, time_gpu(
             lambda: kv_write(qkv[:, 32:40], qkv[:, 40:], kc, vc, slots)))
         # fused: q read+written (32 heads), k and v read and written to the cache (8 heads each)
-        res[f"rope_kv_write_T{tokens}"] = _row((2 * 32 + 4 * 8) * tokens * 128 * 2, _bench(
+        res[f"rope_kv_write_T{tokens}"] = _row((2 * 32 + 4 * 8) * tokens * 128 * 2, time_gpu(
             lambda: rope_kv_write_(qkv[:, :32], qkv[:, 32:40], qkv[:, 40:], pos, inv, kc, vc, slots)))
-        res[f"rope_then_kv_write_T{tokens}_us"] = round(res[f"rope_T{tokens}"]["us"] + res[f"kv_write_T{tokens}"]["us"], 2)
+        res[f"rope_then_kv_write_T{tokens}_us"] = round(
+            res[f"rope_T{tokens}"]["us"] + res[f"kv_write_T{tokens}"]["us"], 2)
     return res
 
 
@@ -182,7 +185,7 @@ def summarise_steps(steps: list, copy_tbs: float) -> dict:
 def graph_replay_ms(engine, bucket: int) -> float:
     """GPU time of one captured decode forward + LM head at `bucket` rows of 1-token context (weights only)."""
     graph = engine.graphs.graphs[bucket]
-    return _bench(graph.replay) * 1e3
+    return time_gpu(graph.replay) * 1e3
 
 
 def hf_generate(loaded, prompts, output_len: int) -> dict:

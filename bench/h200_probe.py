@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bench.gpu_suite import make_engine, prompts_for, run_timed, time_gpu
 from services.gpu_worker.attention.base import AttentionMetadata
 from services.gpu_worker.attention.triton_backend import TritonAttention
 from services.gpu_worker.kernels.decode_attention import decode_attention, decode_attention_rope
@@ -45,9 +46,7 @@ PAGE = 16
 
 
 def bench_ms(fn) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
+    return time_gpu(fn, warmup=10, rep=100) * 1e3
 
 
 def graph_of(fn) -> torch.cuda.CUDAGraph:
@@ -162,7 +161,6 @@ def engine_batch1(out: Path) -> dict:
     runs besides the graph replay, and where it waits for the host."""
     from torch.profiler import ProfilerActivity, profile
 
-    from bench.gpu_suite import make_engine
     from services.gpu_worker.model.loader import load_model
     from services.gpu_worker.request import SamplingParams
 
@@ -205,12 +203,14 @@ def engine_batch1(out: Path) -> dict:
         if e.get("cat") == "cuda_runtime" or e.get("cat") == "cpu_op":
             cpu_ops[e["name"][:50]].append(e["dur"])
     top_cpu = sorted(((k, sum(v) / steps, len(v) / steps) for k, v in cpu_ops.items()), key=lambda r: -r[1])[:15]
+    def per_step(groups: dict[str, list[float]], top: int) -> dict:
+        return {k: {"per_step": round(len(v) / steps, 2), "us_per_step": round(sum(v) / steps, 2)}
+                for k, v in sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:top]}
+
     return {"host_step_ms_median": round(sorted(host)[len(host) // 2] * 1e3, 4),
             "gpu_span_per_step_us": round(span / steps, 1), "gpu_busy_per_step_us": round(busy / steps, 1),
-            "gaps_over_3us_per_step": {k: {"per_step": round(len(v) / steps, 2), "us_per_step": round(sum(v) / steps, 1)}
-                                       for k, v in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:10]},
-            "non_layer_gpu_work_per_step": {k: {"per_step": round(len(v) / steps, 2), "us_per_step": round(sum(v) / steps, 2)}
-                                            for k, v in sorted(fam.items(), key=lambda kv: -sum(kv[1]))[:12]},
+            "gaps_over_3us_per_step": per_step(gaps, 10),
+            "non_layer_gpu_work_per_step": per_step(fam, 12),
             "host_calls_per_step_us": [(k, round(t, 1), round(n, 1)) for k, t, n in top_cpu]}
 
 
@@ -218,7 +218,6 @@ def w1_mixed_steps(num_requests: int) -> dict:
     """W1's shape (1000 → 1000, 384 sequences) on one engine, twice: mixed steps sending their decodes to the
     decode kernel (TritonAttention.mixed_decodes_to_decode_kernel), then to the extend kernel with the prefill
     chunks (the default). Decode-only steps replay the same graphs in both. Same prompts, same run."""
-    from bench.gpu_suite import make_engine, prompts_for, run_timed
     from services.gpu_worker.model.loader import load_model
 
     loaded = load_model("random:llama3-8b", dtype=torch.bfloat16, device="cuda", seed=0)
@@ -250,40 +249,32 @@ def w1_mixed_steps(num_requests: int) -> dict:
 def gemv_table(copy_tbs: float) -> dict:
     shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
               "lm_head": (128256, 4096)}
-    res = {}
-    for lib in ("cublas", "cublaslt"):
-        torch.backends.cuda.preferred_blas_library(lib)
-        for name, (n, k) in shapes.items():
-            copies = max(2, min(16, int(2e9 // (n * k * 2))))  # distinct weights: nothing stays in L2
-            ws = [torch.randn((n, k), device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-            x = torch.randn((1, k), device="cuda", dtype=torch.bfloat16)
-            g = graph_of(lambda: [F.linear(x, w) for w in ws])
-            ms = bench_ms(g.replay) / copies
-            tbs = n * k * 2 / (ms * 1e-3) / 1e12
-            res[f"{lib}_{name}"] = {"us": round(ms * 1e3, 2), "tb_s": round(tbs, 3), "of_copy": round(tbs / copy_tbs, 3)}
-            del ws, g
-    torch.backends.cuda.preferred_blas_library("cublas")
     forms = {"mv": lambda x, w: torch.mv(w, x[0]), "matmul_w_xT": lambda x, w: torch.matmul(w, x.t()),
              "linear_m2": lambda x, w: F.linear(x.expand(2, -1), w)}
-    for name in ("qkv", "o", "down"):
+    res = {}
+
+    def timed(label: str, name: str, call) -> None:
+        """One M = 1 call per distinct weight copy, all in one graph, so nothing stays in L2."""
         n, k = shapes[name]
         copies = max(2, min(16, int(2e9 // (n * k * 2))))
         ws = [torch.randn((n, k), device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         x = torch.randn((1, k), device="cuda", dtype=torch.bfloat16)
-        for form, fn in forms.items():
-            g = graph_of(lambda: [fn(x, w) for w in ws])
-            ms = bench_ms(g.replay) / copies
-            tbs = n * k * 2 / (ms * 1e-3) / 1e12
-            res[f"{form}_{name}"] = {"us": round(ms * 1e3, 2), "tb_s": round(tbs, 3), "of_copy": round(tbs / copy_tbs, 3)}
-            del g
-        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-        g = graph_of(lambda: [F.linear(x, w) for w in ws])
+        g = graph_of(lambda: [call(x, w) for w in ws])
         ms = bench_ms(g.replay) / copies
         tbs = n * k * 2 / (ms * 1e-3) / 1e12
-        res[f"linear_no_reduced_precision_{name}"] = {"us": round(ms * 1e3, 2), "tb_s": round(tbs, 3),
-                                                      "of_copy": round(tbs / copy_tbs, 3)}
+        res[f"{label}_{name}"] = {"us": round(ms * 1e3, 2), "tb_s": round(tbs, 3), "of_copy": round(tbs / copy_tbs, 3)}
+
+    for lib in ("cublas", "cublaslt"):
+        torch.backends.cuda.preferred_blas_library(lib)
+        for name in shapes:
+            timed(lib, name, F.linear)
+    torch.backends.cuda.preferred_blas_library("cublas")
+    for name in ("qkv", "o", "down"):
+        for form, call in forms.items():
+            timed(form, name, call)
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        timed("linear_no_reduced_precision", name, F.linear)
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
-        del ws, g
     return res
 
 

@@ -38,7 +38,8 @@ def _step(new_and_cached: list[tuple[int, int]], num_heads=4, num_kv_heads=2, he
     qkv = randn((num_tokens, num_heads + 2 * num_kv_heads, head_dim), gen, torch.float32, DEVICE)
     q, k, v = qkv[:, :num_heads], qkv[:, num_heads:num_heads + num_kv_heads], qkv[:, num_heads + num_kv_heads:]
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, device=DEVICE), query_start=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+        slot_mapping=torch.tensor(slots, device=DEVICE),
+        query_start=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), page_table=table.to(DEVICE),
         query_start_host=starts, seq_lens_host=seq_lens, max_query_len=max(n for n, _ in new_and_cached),
         max_seq_len=max(seq_lens))

@@ -49,17 +49,18 @@ class TritonAttention(AttentionBackend):
         Why send a mixed step's decodes to the decode kernel: the extend kernel runs one query head per
         program, so it reads each decode's KV once per head of its group."""
         k_cache, v_cache = cache.k[layer], cache.v[layer]  # [P, S, KVH, D]
-        num_single = meta.num_leading_single if self.fuse_decode else 0
-        if num_single < meta.num_seqs and not self.mixed_decodes_to_decode_kernel:
-            num_single = 0
-        if num_single == 0:
+        n = 0  # the leading sequences that take the decode kernel
+        if self.fuse_decode and meta.is_decode_only:
+            n = meta.num_seqs
+        elif self.fuse_decode and self.mixed_decodes_to_decode_kernel:
+            n = meta.num_leading_single
+        if n == 0:
             rope_kv_write_(q, k, v, positions, inv_freq, k_cache, v_cache, meta.slot_mapping)
             return self._attend(q, k_cache, v_cache, meta)
-        n = num_single
         out = torch.empty_like(q)
+        num_splits = num_splits_for(n, k_cache.shape[2], self.num_sms)
         decode_attention_rope(q[:n], k[:n], v[:n], positions[:n], inv_freq, k_cache, v_cache, meta.slot_mapping[:n],
-                              meta.page_table[:n], meta.seq_lens[:n], num_splits_for(n, k_cache.shape[2], self.num_sms),
-                              out=out[:n])
+                              meta.page_table[:n], meta.seq_lens[:n], num_splits, out=out[:n])
         if n < meta.num_seqs:
             rope_kv_write_(q[n:], k[n:], v[n:], positions[n:], inv_freq, k_cache, v_cache, meta.slot_mapping[n:])
             extend_attention(q, k_cache, v_cache, meta.query_start[n:], meta.seq_lens[n:], meta.page_table[n:],
