@@ -53,7 +53,7 @@ def time_gpu(fn, warmup: int = 25, rep: int = 200) -> float:
     """Median seconds of fn on the GPU (triton.testing.do_bench: L2 flushed between runs)."""
     import triton.testing
 
-    return triton.testing.dotime_gpu(fn, warmup=warmup, rep=rep, return_mode="median") * 1e-3
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e-3
 
 
 def kernel_bandwidth() -> dict:

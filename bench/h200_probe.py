@@ -11,7 +11,10 @@ model/fused.py driven directly over a hand-built paged cache.
   4. two micro-batches on two streams (attention of one beside the GEMMs of the other) vs one batch, at
      B = 128, 256, 384: whole forward + LM head captured in a graph, replay time;
   5. the engine's batch-1 decode steps under the profiler (GPU work beside the graph, waits on the host);
-  6. W1's shape with the decodes of mixed steps on the decode kernel vs on the extend kernel.
+  6. W1's shape with the decodes of mixed steps on the decode kernel vs on the extend kernel;
+  7. (gemv_split) M = 1 projections through other cuBLAS call forms: transposed storage, split-K as a batched
+     GEMM with bf16 or fp32 partials; (argmax) greedy argmax, torch vs kernels/argmax.py; (splitk) the
+     forward's split-K o_proj/down_proj vs F.linear by batch, and one graph relaunched vs two in turn.
 
     python -m bench.h200_probe --out $OUT [--phases gemv,batch1,splits,micro,engine,mixed]
 
@@ -168,7 +171,7 @@ def engine_batch1(out: Path) -> dict:
     engine = make_engine(loaded, max_num_seqs=1, chunk=8192)
     loaded.state_dict.clear()
     torch.cuda.empty_cache()
-    engine.add_request("p", list(range(100, 612)), SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+    engine.add_request("p", list(range(100, 612)), SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True))
     for _ in range(60):
         engine.step()
     host = []
@@ -176,6 +179,26 @@ def engine_batch1(out: Path) -> dict:
         t0 = time.perf_counter()
         engine.step()
         host.append(time.perf_counter() - t0)
+    # A/B in turn, 3 rounds of 60 steps: one graph exec per bucket vs two replayed alternately
+    from services.gpu_worker.cuda_graphs import DecodeGraphs
+
+    one = engine.graphs
+    two = DecodeGraphs(engine.model, engine.kv, engine.backend, 1, engine.max_seq_len, execs_per_bucket=2)
+    two.capture()
+    execs_ab: dict[str, list[float]] = {"one_exec": [], "two_execs": []}
+    for _ in range(3):
+        for label, graphs in (("one_exec", one), ("two_execs", two)):
+            engine.flush()
+            engine.graphs = graphs
+            engine.step()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(60):
+                engine.step()
+            torch.cuda.synchronize()
+            execs_ab[label].append((time.perf_counter() - t0) / 60 * 1e3)
+    engine.flush()
+    engine.graphs = one
     steps = 20
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
@@ -208,6 +231,7 @@ def engine_batch1(out: Path) -> dict:
                 for k, v in sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:top]}
 
     return {"host_step_ms_median": round(sorted(host)[len(host) // 2] * 1e3, 4),
+            "step_ms_by_execs_per_bucket": {k: [round(v, 4) for v in vs] for k, vs in execs_ab.items()},
             "gpu_span_per_step_us": round(span / steps, 1), "gpu_busy_per_step_us": round(busy / steps, 1),
             "gaps_over_3us_per_step": per_step(gaps, 10),
             "non_layer_gpu_work_per_step": per_step(fam, 12),
@@ -278,10 +302,69 @@ def gemv_table(copy_tbs: float) -> dict:
     return res
 
 
+def gemv_split_table(copy_tbs: float) -> dict:
+    """M = 1 projections through other cuBLAS call forms (all through torch): the weight stored transposed
+    ([K, N], x @ Wt), and split-K as a strided batched GEMM of S slices (bmm) with bf16 partials summed by
+    torch or fp32 partials (out_dtype) left for the next kernel to sum. Time per projection, no L2 reuse."""
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+    res: dict = {}
+
+    def timed(label: str, n: int, k: int, make, call) -> None:
+        copies = max(2, min(16, int(2e9 // (n * k * 2))))
+        ws = [make(torch.randn((n, k), device="cuda", dtype=torch.bfloat16) * 0.02) for _ in range(copies)]
+        x = torch.randn((1, k), device="cuda", dtype=torch.bfloat16)
+        try:
+            g = graph_of(lambda: [call(x, w) for w in ws])
+        except Exception as exc:  # a call form cuBLAS or torch refuses: recorded, the rest go on
+            res[label] = {"error": repr(exc)[:200]}
+            return
+        ms = bench_ms(g.replay) / copies
+        tbs = n * k * 2 / (ms * 1e-3) / 1e12
+        res[label] = {"us": round(ms * 1e3, 2), "of_copy": round(tbs / copy_tbs, 3)}
+        del g, ws
+
+    def sliced(w: torch.Tensor, s: int) -> torch.Tensor:  # [N, K] → [S, K/S, N] view, no copy
+        n, k = w.shape
+        return w.view(n, s, k // s).permute(1, 2, 0)
+
+    for name, (n, k) in shapes.items():
+        timed(f"linear_{name}", n, k, lambda w: w, F.linear)
+        timed(f"mm_transposed_{name}", n, k, lambda w: w.t().contiguous(), lambda x, wt: torch.mm(x, wt))
+        timed(f"mm_f32out_{name}", n, k, lambda w: w, lambda x, w: torch.mm(x, w.t(), out_dtype=torch.float32))
+        for s in (2, 4, 7, 8):
+            if k % s or (s == 7 and name != "down"):
+                continue
+            xs = lambda x, s=s: x.view(1, s, -1).transpose(0, 1)  # [S, 1, K/S]
+            timed(f"bmm_s{s}_bf16_sum_{name}", n, k, lambda w: w,
+                  lambda x, w, s=s: torch.bmm(xs(x), sliced(w, s)).sum(0))
+            timed(f"bmm_s{s}_f32_{name}", n, k, lambda w: w,
+                  lambda x, w, s=s: torch.bmm(xs(x), sliced(w, s), out_dtype=torch.float32))
+            timed(f"bmm_s{s}_f32_sum_{name}", n, k, lambda w: w,
+                  lambda x, w, s=s: torch.bmm(xs(x), sliced(w, s), out_dtype=torch.float32).sum(0))
+            timed(f"bmm_s{s}_f32_presplit_{name}", n, k, lambda w, s=s: sliced(w, s).contiguous(),
+                  lambda x, w, s=s: torch.bmm(xs(x), w, out_dtype=torch.float32))
+    return res
+
+
+def argmax_table() -> dict:
+    """Greedy argmax over a 128,256-token vocabulary: torch.argmax vs kernels/argmax.py, fp32 logits."""
+    from services.gpu_worker.kernels.argmax import argmax_rows
+
+    res = {}
+    for batch in (1, 8, 128, 384):
+        x = torch.randn((batch, 128256), device="cuda")
+        assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+        for label, call in (("torch", lambda: x.argmax(dim=-1)), ("triton", lambda: argmax_rows(x))):
+            g = graph_of(call)
+            res[f"{label}_B{batch}_us"] = round(bench_ms(g.replay) * 1e3, 2)
+    return res
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
-    p.add_argument("--phases", default="gemv,batch1,splits,micro,engine,mixed")
+    p.add_argument("--phases", default="gemv,batch1,splits,micro,engine,mixed",
+                   help="comma-separated; also gemv_split, argmax, splitk")
     p.add_argument("--mixed-requests", type=int, default=1000, help="W1 requests for the mixed-steps phase")
     args = p.parse_args()
     phases = set(args.phases.split(","))
@@ -304,6 +387,10 @@ def main() -> int:
 
     if "gemv" in phases:
         save("gemv_m1", gemv_table(copy_tbs))
+    if "gemv_split" in phases:
+        save("gemv_m1_split_forms", gemv_split_table(copy_tbs))
+    if "argmax" in phases:
+        save("argmax", argmax_table())
 
     if "engine" in phases:
         save("engine_batch1_profile", engine_batch1(out))
@@ -311,7 +398,7 @@ def main() -> int:
     if "mixed" in phases:
         save("w1_mixed_steps", w1_mixed_steps(args.mixed_requests))
         torch.cuda.empty_cache()
-    if not phases & {"batch1", "splits", "micro"}:
+    if not phases & {"batch1", "splits", "micro", "splitk"}:
         return 0
     cfg = preset("llama3-8b")
     torch.manual_seed(0)
@@ -341,6 +428,7 @@ def main() -> int:
 
     # 1. batch 1 at 640 tokens of context: graph replay and its kernels
     b1 = Batch(1, 640, 1, width, "cuda")
+    model.split_k_max_tokens = fused.SPLIT_K_MAX_TOKENS
     fig1: dict = {}
     with torch.inference_mode():
         for fuse in ((True, False) if "batch1" in phases else ()):
@@ -368,6 +456,38 @@ def main() -> int:
                 fig1[f"B{batch}_L{ctx}"] = row
             save("batch1_graph", fig1)
         backend.fuse_decode = True
+
+    # 1b. o_proj/down_proj split-K (fused.SPLIT_K_*) vs F.linear, graph replay by batch; relaunching one
+    #     graph vs two captures of it in turn
+    if "splitk" in phases:
+        figk: dict = {}
+        with torch.inference_mode():
+            for batch in (1, 2, 4, 8, 16, 32, 64):
+                mb = Batch(batch, 640, 1, width, "cuda")
+                row = {}
+                for label, limit in (("split_k_ms", 1 << 20), ("linear_ms", 0)):
+                    model.split_k_max_tokens = limit
+                    g = graph_of(full(mb))
+                    row[label] = round(bench_ms(g.replay), 4)
+                    if batch == 1 and limit:
+                        figk["B1_split_k_profile"] = profile_graph(g, out, "b1k")
+                    del g
+                row["ratio"] = round(row["split_k_ms"] / row["linear_ms"], 4)
+                figk[f"B{batch}_L640"] = row
+            model.split_k_max_tokens = fused.SPLIT_K_MAX_TOKENS
+            ga, gb = graph_of(full(b1)), graph_of(full(b1))
+            for label, seq in (("same_graph", [ga, ga]), ("two_graphs_in_turn", [ga, gb])):
+                torch.cuda.synchronize()
+                host_us, t0 = [], time.perf_counter()
+                for i in range(200):
+                    h0 = time.perf_counter()
+                    seq[i % 2].replay()
+                    host_us.append((time.perf_counter() - h0) * 1e6)
+                torch.cuda.synchronize()
+                figk[f"relaunch_{label}"] = {"ms_per_replay": round((time.perf_counter() - t0) / 200 * 1e3, 4),
+                                             "replay_call_host_us_median": round(sorted(host_us)[100], 1)}
+            del ga, gb
+        save("split_k", figk)
 
     # 3. batch-1 decode attention by split count: 32 layers' caches in one graph
     fig3 = {}

@@ -321,26 +321,23 @@ class Engine:
             self._launched = None
         return outputs
 
-    def _feed_pending(self, pending: list[tuple[int, int]]):
-        """A function writing the previous step's device tokens into an input-id tensor, or None.
-
-        pending: (input index, row of the previous step's sampled tokens) for each placeholder input.
-        """
-        if not pending:
-            return None
+    def _previous_tokens(self) -> torch.Tensor:
+        """The launched step's sampled tokens [B_prev] int64, on the device (the host has not read them yet)."""
         assert self._launched is not None and self._launched.sample is not None, "a placeholder outlived its step"
-        tokens = self._launched.sample.tokens  # [B_prev] int64, on the device
-        index = to_device(pending, torch.long, tokens.device)  # [P, 2]
+        return self._launched.sample.tokens
 
-        def feed(ids: torch.Tensor) -> None:
+    def _feed_pending(self, pending: list[tuple[int, int]], ids: torch.Tensor) -> None:
+        """Write the previous step's device tokens into input ids. pending: (input index, row of the previous
+        step's sampled tokens) for each placeholder input."""
+        if pending:
+            tokens = self._previous_tokens()
+            index = to_device(pending, torch.long, tokens.device)  # [P, 2]
             ids[index[:, 0]] = tokens[index[:, 1]].to(ids.dtype)
-
-        return feed
 
     def _launch(self, plan: StepPlan, now: float) -> LaunchedStep:
         """Queue the forward and the sampling of one step; placeholders stand for its tokens."""
         self._num_steps += 1
-        logits = self._forward(plan)
+        logits, greedy = self._forward(plan)
         uncached = []
         for seq in self.policy.advance(plan):
             if seq.num_computed <= seq.num_known_tokens:
@@ -361,8 +358,8 @@ class Engine:
         if not seqs:
             return LaunchedStep(None, [], [], [], uncached, False)
         if forks:  # NOTE: without siblings the logit rows are the sampled rows already, in order
-            logits = logits[to_device(rows, torch.long, logits.device)]
-        sample = self.sampler.launch(logits, [_sampling_row(s) for s in seqs])
+            logits, greedy = logits[to_device(rows, torch.long, logits.device)], None
+        sample = self.sampler.launch(logits, [_sampling_row(s) for s in seqs], greedy)
         positions = []
         for row, seq in enumerate(seqs):
             positions.append(len(seq.token_ids))
@@ -400,13 +397,14 @@ class Engine:
                 self._hold(seq, now)
         return [self._output(seq, [t], [lp] if lp is not None else None) for seq, t, lp in live]
 
-    def _forward(self, plan: StepPlan) -> torch.Tensor:
-        """Run the model over every scheduled chunk; return logits of sampling chunks [B_s, V] fp32."""
+    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the model over every scheduled chunk → logits of sampling chunks [B_s, V] fp32, and their
+        argmax [B_s] when a decode graph computed it (else None)."""
         if self.graphs is not None:
             pending = [(i, item.seq.pending_row) for i, item in enumerate(plan.items) if item.seq.num_pending]
-            logits = self.graphs.try_forward(plan.items, self._feed_pending(pending))
-            if logits is not None:
-                return logits
+            replayed = self.graphs.try_forward(plan.items, pending, self._previous_tokens() if pending else None)
+            if replayed is not None:
+                return replayed
         input_ids, positions, slots, query_start, seq_lens = [], [], [], [0], []
         logit_rows = []
         page_size = self.config.page_size
@@ -433,13 +431,11 @@ class Engine:
         ids = to_device(input_ids, torch.long, dev)
         pending = [(query_start[i + 1] - 1, item.seq.pending_row) for i, item in enumerate(plan.items)
                    if item.seq.num_pending and seq_lens[i] == item.seq.num_tokens]
-        feed = self._feed_pending(pending)
-        if feed is not None:
-            feed(ids)
+        self._feed_pending(pending, ids)
         hidden = self.model(ids, to_device(positions, torch.long, dev), self.kv, meta, self.backend)
         if not logit_rows:
-            return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32)
-        return self.model.logits(hidden[to_device(logit_rows, torch.long, dev)])
+            return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32), None
+        return self.model.logits(hidden[to_device(logit_rows, torch.long, dev)]), None
 
     def _hold(self, seq: Sequence, now: float) -> None:
         self.policy.hold(seq, now)

@@ -85,3 +85,39 @@ def test_cuda_graphs_replay_decode_steps():
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     engine.generate(_prompts(loaded.config.vocab_size, 3, 30), params)
     assert engine.graphs.num_replays == 4  # one prefill step (eager), then 4 decode steps of 3 sequences
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_small_batch_split_k_projections_keep_the_greedy_tokens(monkeypatch):
+    """Decode steps of ≤ 8 sequences run o_proj/down_proj split-K (model/fused.py); tokens as without it."""
+    from services.gpu_worker.model import fused
+
+    loaded = load_model("random:qwen3-0.6b", dtype=torch.bfloat16, device="cuda", seed=2)
+    prompts = _prompts(loaded.config.vocab_size, 3, 200)
+    split = _generate("qwen3-0.6b", loaded, prompts, 32, "bfloat16", attention_backend="triton")
+    monkeypatch.setattr(fused, "SPLIT_K_MAX_TOKENS", 0)
+    whole = _generate("qwen3-0.6b", loaded, prompts, 32, "bfloat16", attention_backend="triton")
+    ref = _generate("qwen3-0.6b", loaded, prompts, 32, "bfloat16", attention_backend="torch")
+    assert _assert_same_greedy(whole, split, 0.1) >= len(prompts) * 16
+    assert _assert_same_greedy(ref, split, 0.1) >= len(prompts) * 16
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_graph_tokens_feed_the_next_step_with_sampled_and_greedy_rows():
+    """Overlap mode feeds each graph replay from the previous step's device tokens: the graph's own argmax,
+    overwritten in place by sampled rows, or tokens an eager step (a prefill chunk in the batch) sampled.
+    It must give serial mode's tokens, bit for bit."""
+    loaded = load_model("random:tiny-llama", dtype=torch.bfloat16, device="cuda", seed=3)
+    prompts = _prompts(loaded.config.vocab_size, 6, 120)
+    params = [SamplingParams(max_tokens=20, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True)
+              for i in range(len(prompts))]
+    runs = []
+    for overlap in (True, False):
+        config = EngineConfig(model="random:tiny-llama", device="cuda", num_pages=512, max_num_seqs=8,
+                              max_num_batched_tokens=64, enable_overlap=overlap)  # chunks: mixed eager steps
+        engine = Engine(config, loaded=loaded)
+        runs.append([r.samples[0].token_ids for r in engine.generate(prompts, params)])
+        assert engine.graphs.num_replays > 0
+    assert runs[0] == runs[1]

@@ -1,4 +1,9 @@
-"""RMSNorm, optionally fused with the residual add that precedes it: r = x + residual; y = norm(r) · w."""
+"""RMSNorm, optionally fused with the residual add that precedes it: r = x + residual; y = norm(r) · w.
+
+x may also come as S split-K partial products [S, T, hidden] fp32 of the projection before it (model/fused.py
+splits the K dimension of o_proj and down_proj at small batches): the kernel sums them and rounds the sum to the
+activation dtype, as cuBLAS's own split-K reduction would write it, before the residual add.
+"""
 from __future__ import annotations
 
 import torch
@@ -7,12 +12,19 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o,
-                     stride_ro, hidden, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_part, stride_x, stride_r, stride_o,
+                     stride_ro, hidden, eps, HAS_RESIDUAL: tl.constexpr, NUM_PARTS: tl.constexpr,
+                     BLOCK: tl.constexpr):
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
-    x = tl.load(x_ptr + t * stride_x + offs, mask=mask, other=0.0)
+    if NUM_PARTS == 1:
+        x = tl.load(x_ptr + t * stride_x + offs, mask=mask, other=0.0)
+    else:
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for part in tl.static_range(NUM_PARTS):
+            acc += tl.load(x_ptr + part * stride_part + t * stride_x + offs, mask=mask, other=0.0)
+        x = acc.to(out_ptr.dtype.element_ty)  # the projection's output as cuBLAS would have written it
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + t * stride_r + offs, mask=mask, other=0.0)
         # NOTE: the sum is rounded to the activation dtype first, like torch's `h = h + attn`.
@@ -27,23 +39,34 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, residual: [T, hidden] → (norm(x + residual) · weight, x + residual); without residual, (norm(x) · w, x)."""
-    num_tokens, hidden = x.shape
-    out = torch.empty_like(x)
-    res_out = torch.empty_like(x) if residual is not None else x
+    """x, residual: [T, hidden] → (norm(x + residual) · weight, x + residual); without residual, (norm(x) · w, x).
+
+    x may be split-K partials [S, T, hidden] fp32 (then residual is required; x := their sum in its dtype)."""
+    parts = x if x.dim() == 3 else x.unsqueeze(0)  # [S, T, hidden]
+    num_parts, num_tokens, hidden = parts.shape
+    if num_parts > 1 and residual is None:
+        raise ValueError("split-K partials need the residual they are added to")
+    like = residual if num_parts > 1 else x
+    out = torch.empty_like(like)
+    res_out = torch.empty_like(like) if residual is not None else x
     if num_tokens == 0:
         return out, res_out
+    assert parts.stride(2) == 1
     block = triton.next_power_of_2(hidden)
     res = residual if residual is not None else x
     _rms_norm_kernel[(num_tokens,)](
-        x, res, weight, out, res_out, x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
-        hidden, eps, HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+        parts, res, weight, out, res_out, parts.stride(0), parts.stride(1), res.stride(0), out.stride(0),
+        res_out.stride(0), hidden, eps, HAS_RESIDUAL=residual is not None, NUM_PARTS=num_parts, BLOCK=block,
+        num_warps=min(16, max(1, block // 256)))
     return out, res_out
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's torch RMSNorm (llama.RMSNorm) after a plain residual add."""
+    """The model's torch RMSNorm (llama.RMSNorm) after a plain residual add (split-K partials: summed, then
+    rounded to the residual's dtype)."""
+    if x.dim() == 3:
+        x = x.sum(0).to(residual.dtype)
     if residual is not None:
         x = x + residual
     x32 = x.float()

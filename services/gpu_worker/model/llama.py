@@ -131,16 +131,23 @@ class LlamaForCausalLM(nn.Module):
         from services.gpu_worker.model import fused  # imports triton
 
         fused.fuse_projections(self)
+        self.split_k_max_tokens = fused.SPLIT_K_MAX_TOKENS  # o/down_proj split-K at up to this many tokens
         self.is_fused = True
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        """input_ids, positions: [T] int64 → hidden: [T, hidden] (after the final norm)."""
+                meta: AttentionMetadata, backend: AttentionBackend,
+                fed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] int64 → hidden: [T, hidden] (after the final norm).
+
+        fed = (src [T], prev): row i's input token is prev[src[i]] where src[i] ≥ 0, input_ids[i] elsewhere
+        (tokens the previous step sampled that the host has not read yet; a captured graph's inputs)."""
         if self.is_fused:
             from services.gpu_worker.model import fused
 
-            return fused.forward(self, input_ids, positions, cache, meta, backend)
+            return fused.forward(self, input_ids, positions, cache, meta, backend, fed)
+        if fed is not None:
+            input_ids = torch.where(fed[0] >= 0, fed[1][fed[0].clamp_min(0).long()], input_ids.long())
         h = self.model.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = cos_sin(positions, self.inv_freq, h.dtype)  # [T, D]
         for layer in self.model.layers:
