@@ -21,20 +21,25 @@ import torch
 from services.gpu_worker.attention.base import AttentionBackend, AttentionMetadata
 from services.gpu_worker.batch_policy import ScheduledItem
 from services.gpu_worker.kernels.argmax import argmax_rows
+from services.gpu_worker.kernels.staging_copy import copy_words_
 from services.gpu_worker.kv_cache import KVCache
 from services.gpu_worker.model.llama import LlamaForCausalLM
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 MAX_GRAPH_CONTEXT = 8192  # tokens: a longer sequence's decode step runs eager
+STAGING_MODES = ("stream", "graph_copy", "graph_kernel")
 
 
 class DecodeGraphs:
     def __init__(self, model: LlamaForCausalLM, kv: KVCache, backend: AttentionBackend, max_batch: int,
-                 max_seq_len: int, execs_per_bucket: int = 1) -> None:
-        """execs_per_bucket = 2: each bucket captured twice and the two replayed in turn (an A/B of whether a
-        graph relaunched while its previous launch still runs delays the GPU: bench/h200_probe.py)."""
-        assert execs_per_bucket in (1, 2)
-        self.execs_per_bucket = execs_per_bucket
+                 max_seq_len: int, staging: str = "stream") -> None:
+        """staging: how a step's pinned inputs reach the device. "stream": a copy-engine transfer queued before
+        the replay. "graph_copy" / "graph_kernel": inside the graph, as its first node (a captured transfer,
+        or kernels/staging_copy.py reading the pinned buffer directly); each bucket is then captured twice,
+        once per pinned buffer, and the two are replayed in turn."""
+        if staging not in STAGING_MODES:
+            raise ValueError(f"staging must be one of {STAGING_MODES}")
+        self.staging = staging
         self.model, self.kv, self.backend, self.page_size = model, kv, backend, kv.page_size
         top = next((b for b in BUCKETS if b >= max_batch), BUCKETS[-1])
         self.buckets = [b for b in BUCKETS if b <= top]
@@ -60,7 +65,7 @@ class DecodeGraphs:
         self.query_start = torch.arange(bm + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # bucket → static [bucket, vocab] fp32 output
-        self.spares: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # execs_per_bucket = 2
+        self.spares: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # in-graph staging: hosts[1]
         self.num_replays = 0
 
     def _meta(self, bucket: int) -> AttentionMetadata:
@@ -70,7 +75,16 @@ class DecodeGraphs:
             query_start_host=list(range(bucket + 1)), seq_lens_host=[1] * bucket, max_query_len=1,
             max_seq_len=self.width * self.page_size)
 
-    def _run(self, bucket: int) -> torch.Tensor:
+    def _num_words(self, bucket: int) -> int:
+        return 5 * self.max_batch + bucket * self.width
+
+    def _run(self, bucket: int, host: torch.Tensor | None = None) -> torch.Tensor:
+        if host is not None:  # in-graph staging from this pinned buffer
+            n = self._num_words(bucket)
+            if self.staging == "graph_kernel":
+                copy_words_(self.dev[:n], host[:n])
+            else:
+                self.dev[:n].copy_(host[:n], non_blocking=True)
         hidden = self.model(self.input_ids[:bucket], self.positions[:bucket], self.kv, self._meta(bucket),
                             self.backend, fed=(self.feed_src[:bucket], self.tokens))
         logits = self.model.logits(hidden)  # [bucket, vocab] fp32
@@ -84,14 +98,15 @@ class DecodeGraphs:
             self._run(bucket)  # warm-up: compiles the Triton kernels for this shape outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
+            in_graph = self.staging != "stream"
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[bucket] = self._run(bucket)
+                self.logits[bucket] = self._run(bucket, self.hosts[0] if in_graph else None)
             pool = graph.pool()
             self.graphs[bucket] = graph
-            if self.execs_per_bucket == 2:
+            if in_graph:
                 spare = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(spare, pool=pool):
-                    self.spares[bucket] = (spare, self._run(bucket))
+                    self.spares[bucket] = (spare, self._run(bucket, self.hosts[1]))
         torch.cuda.synchronize()
 
     def try_forward(self, items: list[ScheduledItem], pending: list[tuple[int, int]] = (),
@@ -132,12 +147,15 @@ class DecodeGraphs:
         for i, it in enumerate(items):
             pages = it.seq.page_ids
             table[i, : len(pages)] = pages
-        num_words = 5 * bm + bucket * width
-        self.dev[:num_words].copy_(host[:num_words], non_blocking=True)
-        self.copied[self.turn].record()
+        if self.staging == "stream":
+            num_words = self._num_words(bucket)
+            self.dev[:num_words].copy_(host[:num_words], non_blocking=True)
+            self.copied[self.turn].record()
         if pending and prev_tokens.data_ptr() != self.tokens.data_ptr():  # sampled outside a graph, or not greedy
             self.tokens[: prev_tokens.shape[0]].copy_(prev_tokens)
         graph, logits = self.spares[bucket] if self.turn and self.spares else (self.graphs[bucket], self.logits[bucket])
         graph.replay()
+        if self.staging != "stream":
+            self.copied[self.turn].record()  # this graph read hosts[turn] (at its start)
         self.num_replays += 1
         return logits[:num_seqs], self.tokens[:num_seqs]

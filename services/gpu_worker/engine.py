@@ -165,7 +165,8 @@ class Engine:
             return None
         from services.gpu_worker.cuda_graphs import DecodeGraphs
 
-        graphs = DecodeGraphs(self.model, self.kv, self.backend, config.max_num_seqs, self.max_seq_len)
+        graphs = DecodeGraphs(self.model, self.kv, self.backend, config.max_num_seqs, self.max_seq_len,
+                              staging=config.cuda_graph_staging)
         graphs.capture()
         return graphs
 

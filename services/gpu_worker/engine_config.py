@@ -28,6 +28,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     attention_backend: str = "auto"  # "auto": triton on cuda, torch elsewhere
     enable_cuda_graphs: bool = True  # cuda + triton: replay captured decode steps (cuda_graphs.py)
+    # How a graph step's inputs reach the GPU: "stream", "graph_copy" or "graph_kernel" (cuda_graphs.DecodeGraphs)
+    cuda_graph_staging: str = "stream"
     seed: int = 0  # random weights' seed for random:<preset> models
     # Queue step N+1 before reading step N's tokens (engine.step). None: on for CUDA, where the host's work
     # then hides behind the GPU's; off on the CPU, where it would only delay each token by one step.

@@ -90,7 +90,7 @@ def test_cuda_graphs_replay_decode_steps():
 @pytest.mark.gpu
 @gpu_only
 def test_small_batch_split_k_projections_keep_the_greedy_tokens(monkeypatch):
-    """Decode steps of ≤ 8 sequences run o_proj/down_proj split-K (model/fused.py); tokens as without it."""
+    """Decode steps of ≤ 32 sequences run o_proj/down_proj split-K (model/fused.py); tokens as without it."""
     from services.gpu_worker.model import fused
 
     loaded = load_model("random:qwen3-0.6b", dtype=torch.bfloat16, device="cuda", seed=2)
@@ -121,3 +121,17 @@ def test_graph_tokens_feed_the_next_step_with_sampled_and_greedy_rows():
         runs.append([r.samples[0].token_ids for r in engine.generate(prompts, params)])
         assert engine.graphs.num_replays > 0
     assert runs[0] == runs[1]
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("staging", ["graph_copy", "graph_kernel"])
+def test_in_graph_staging_gives_the_stream_stagings_bits(staging):
+    """The graph's inputs copied inside the graph (two captures per bucket, one per pinned buffer, replayed in
+    turn) give the very tokens and logprobs of the copy queued before the replay."""
+    loaded = load_model("random:tiny-llama", dtype=torch.bfloat16, device="cuda", seed=4)
+    prompts = _prompts(loaded.config.vocab_size, 5, 90)
+    stream = _generate("tiny-llama", loaded, prompts, 20, "bfloat16", max_num_seqs=8)
+    staged = _generate("tiny-llama", loaded, prompts, 20, "bfloat16", max_num_seqs=8, cuda_graph_staging=staging)
+    assert [s.token_ids for s in staged] == [s.token_ids for s in stream]
+    assert [[lp.logprob for lp in s.logprobs] for s in staged] == [[lp.logprob for lp in s.logprobs] for s in stream]

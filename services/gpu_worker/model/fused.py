@@ -1,7 +1,7 @@
 """The CUDA forward of LlamaForCausalLM: fused q/k/v and gate/up projections (cuBLAS) around the Triton
 RMSNorm(+residual), RoPE(+KV write) and SiLU·mul kernels. Same function as the torch forward, up to bf16 rounding.
 
-At a few tokens (decode steps of small batches) o_proj and down_proj run split-K: a strided batched cuBLAS GEMM
+At up to 32 tokens (decode steps of small batches) o_proj and down_proj run split-K: a strided batched cuBLAS GEMM
 over SPLIT_K_PARTS slices of K with fp32 outputs, whose sum the next RMSNorm kernel takes (kernels/rms_norm.py).
 At M = 1 on the H200 that is 11.5 µs against F.linear's 13.9 µs for o_proj and 30.4 against 32.6 µs for down_proj
 (bench/h200_probe.py --phases gemv_split): cuBLAS's own choice for these shapes leaves SMs idle and adds a reduce
@@ -28,7 +28,9 @@ if TYPE_CHECKING:
     from services.gpu_worker.parallel.state import TensorParallelGroup
 
 SPLIT_K_PARTS = 4
-SPLIT_K_MAX_TOKENS = 8  # the default of model.split_k_max_tokens (0: never split)
+# the default of model.split_k_max_tokens (0: never split). H200 graph replay of the whole forward, split-K over
+# F.linear: 0.976 at 1 token, 0.967-0.976 at 2 to 32, 0.993 at 64 (bench/h200_probe.py --phases splitk)
+SPLIT_K_MAX_TOKENS = 32
 
 
 def fuse_projections(model: nn.Module) -> None:
