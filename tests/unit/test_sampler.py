@@ -261,3 +261,23 @@ def test_repetition_penalty_matches_transformers() -> None:
     rows = [row(prompt=ids[b, :8].tolist(), output=ids[b, 8:].tolist(), repetition_penalty=1.3) for b in range(4)]
     theirs = proc_cls(1.3)(ids, logits.clone())
     assert torch.equal(apply_penalties(logits, rows), theirs)
+
+
+def test_precomputed_greedy_tokens_are_used_and_sampled_rows_written_into_them() -> None:
+    """A decode graph hands its argmax in: greedy rows take it as it is (here deliberately not the argmax, to
+    show it is used), sampled rows overwrite their entry in place (the next graph replay reads that buffer)."""
+    logits = torch.tensor([[0.0, 5.0, 1.0], [9.0, 0.0, 0.0]])
+    greedy = torch.tensor([2, 1])
+    rows = [row(temperature=0.0), row(make_generator(3, 0, "cpu"), temperature=1.0, top_k=1)]
+    sample = Sampler().launch(logits, rows, greedy)
+    assert sample.tokens is greedy
+    assert sample.resolve()[0] == [2, 0]  # row 1 sampled its top-1 token into the buffer
+    assert greedy.tolist() == [2, 0]
+
+
+def test_precomputed_greedy_tokens_are_ignored_when_a_row_has_penalties() -> None:
+    logits = torch.tensor([[0.0, 5.0, 1.0]])
+    greedy = torch.tensor([1])
+    rows = [row(temperature=0.0, repetition_penalty=100.0, output=[1])]  # token 1 falls to 0.05
+    sample = Sampler().launch(logits, rows, greedy)
+    assert sample.tokens is not greedy and sample.resolve()[0] == [2] and greedy.tolist() == [1]
