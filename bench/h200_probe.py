@@ -10,13 +10,15 @@ model/fused.py driven directly over a hand-built paged cache.
      plain and with RoPE + KV write inside (decode_attention_rope);
   4. two micro-batches on two streams (attention of one beside the GEMMs of the other) vs one batch, at
      B = 128, 256, 384: whole forward + LM head captured in a graph, replay time;
-  5. the engine's batch-1 decode steps under the profiler (GPU work beside the graph, waits on the host);
+  5. the engine's batch-1 decode steps under the profiler (GPU work beside the graph, waits on the host), and
+     an A/B of the graph input staging modes (EngineConfig.cuda_graph_staging);
   6. W1's shape with the decodes of mixed steps on the decode kernel vs on the extend kernel;
   7. (gemv_split) M = 1 projections through other cuBLAS call forms: transposed storage, split-K as a batched
      GEMM with bf16 or fp32 partials; (argmax) greedy argmax, torch vs kernels/argmax.py; (splitk) the
-     forward's split-K o_proj/down_proj vs F.linear by batch, and one graph relaunched vs two in turn.
+     forward's split-K o_proj/down_proj vs F.linear by batch, and one graph relaunched vs two in turn;
+     (norm) RMSNorm at one token by warp count, with and without split-K partials.
 
-    python -m bench.h200_probe --out $OUT [--phases gemv,batch1,splits,micro,engine,mixed]
+    python -m bench.h200_probe --out $OUT [--phases gemv,batch1,splits,micro,engine,mixed,gemv_split,argmax,splitk,norm]
 
 Phase 1 runs with the fused decode kernel (RoPE + KV write inside the split-K kernel) and with the separate
 rope_kv_write_ and decode kernels (TritonAttention(fuse_decode=False)), in the same run.
@@ -369,7 +371,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     p.add_argument("--phases", default="gemv,batch1,splits,micro,engine,mixed",
-                   help="comma-separated; also gemv_split, argmax, splitk")
+                   help="comma-separated; also gemv_split, argmax, splitk, norm")
     p.add_argument("--mixed-requests", type=int, default=1000, help="W1 requests for the mixed-steps phase")
     args = p.parse_args()
     phases = set(args.phases.split(","))
@@ -403,7 +405,7 @@ def main() -> int:
     if "mixed" in phases:
         save("w1_mixed_steps", w1_mixed_steps(args.mixed_requests))
         torch.cuda.empty_cache()
-    if not phases & {"batch1", "splits", "micro", "splitk"}:
+    if not phases & {"batch1", "splits", "micro", "splitk", "norm"}:
         return 0
     cfg = preset("llama3-8b")
     torch.manual_seed(0)
@@ -493,6 +495,29 @@ def main() -> int:
                                              "replay_call_host_us_median": round(sorted(host_us)[100], 1)}
             del ga, gb
         save("split_k", figk)
+
+    # 1c. RMSNorm at one token: warps per program, with and without split-K partials (64 calls in one graph),
+    #     and the whole batch-1 forward with each warp count
+    if "norm" in phases:
+        fign: dict = {}
+        with torch.inference_mode():
+            w = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
+            res = torch.randn((1, 4096), device="cuda", dtype=torch.bfloat16)
+            for parts in (1, 4):
+                x = (torch.randn((1, 4096), device="cuda", dtype=torch.bfloat16) if parts == 1
+                     else torch.randn((parts, 1, 4096), device="cuda", dtype=torch.float32))
+                for warps in (2, 4, 8, 16):
+                    g = graph_of(lambda: [rms_norm(x, w, 1e-5, res, num_warps=warps) for _ in range(64)])
+                    fign[f"parts{parts}_warps{warps}_us"] = round(bench_ms(g.replay) * 1e3 / 64, 3)
+                    del g
+            plain = fused.rms_norm
+            for warps in (4, 8, 16):
+                fused.rms_norm = lambda *a, warps=warps: plain(*a, num_warps=warps)
+                g = graph_of(full(b1))
+                fign[f"B1_forward_warps{warps}_ms"] = round(bench_ms(g.replay), 4)
+                del g
+            fused.rms_norm = plain
+        save("rms_norm_b1", fign)
 
     # 3. batch-1 decode attention by split count: 32 layers' caches in one graph
     fig3 = {}

@@ -37,8 +37,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_part, s
     tl.store(out_ptr + t * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual: [T, hidden] → (norm(x + residual) · weight, x + residual); without residual, (norm(x) · w, x).
 
     x may be split-K partials [S, T, hidden] fp32 (then residual is required; x := their sum in its dtype)."""
@@ -57,7 +57,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     _rms_norm_kernel[(num_tokens,)](
         parts, res, weight, out, res_out, parts.stride(0), parts.stride(1), res.stride(0), out.stride(0),
         res_out.stride(0), hidden, eps, HAS_RESIDUAL=residual is not None, NUM_PARTS=num_parts, BLOCK=block,
-        num_warps=min(16, max(1, block // 256)))
+        num_warps=num_warps or min(16, max(1, block // 256)))
     return out, res_out
 
 
