@@ -124,13 +124,14 @@ def _row(num_bytes: float, seconds: float) -> dict:
             "frac_of_copy": round(num_bytes / seconds / 1e12 / COPY_TBS, 3)}
 
 
-def make_engine(loaded, max_num_seqs: int, chunk: int, graphs: bool = True, staging: str = "stream"):
+def make_engine(loaded, max_num_seqs: int, chunk: int, graphs: bool = True, staging: str = "stream",
+                pdl: str = "off"):
     from services.gpu_worker.engine import Engine
     from services.gpu_worker.engine_config import EngineConfig
 
     config = EngineConfig(model="random:llama3-8b", device="cuda", dtype="bfloat16", max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=chunk, max_model_len=4096, enable_prefix_cache=False,
-                          enable_cuda_graphs=graphs, cuda_graph_staging=staging)
+                          enable_cuda_graphs=graphs, cuda_graph_staging=staging, pdl=pdl)
     return Engine(config, loaded=loaded)
 
 
@@ -233,6 +234,7 @@ def main() -> int:
     p.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens")
     p.add_argument("--peer-repeats", type=int, default=2, help="timed transformers generate() runs (median)")
     p.add_argument("--graph-staging", default="stream", help="EngineConfig.cuda_graph_staging")
+    p.add_argument("--pdl", default="off", help="EngineConfig.pdl: off, auto or on")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -259,10 +261,13 @@ def main() -> int:
 
     t0 = time.perf_counter()
     engine = make_engine(loaded, max_num_seqs=max(args.w0_requests, args.w1_max_seqs), chunk=args.chunk,
-                         staging=args.graph_staging)
+                         staging=args.graph_staging, pdl=args.pdl)
     setup_s = time.perf_counter() - t0
     replay = {b: round(graph_replay_ms(engine, b), 3) for b in (1, 8, 64, 128, 256) if b in engine.graphs.graphs}
+    from services.gpu_worker.kernels import pdl
+
     suite.save("engine_setup", {"seconds_incl_graph_capture": round(setup_s, 1), "num_pages": engine.num_pages,
+                                "pdl": pdl.is_enabled(),
                                 "graph_buckets": engine.graphs.buckets, "graph_replay_ms_1token_ctx": replay,
                                 "weights_roofline_ms": round(WEIGHT_BYTES / (copy_tbs * 1e12) * 1e3, 3)})
 

@@ -11,14 +11,15 @@ model/fused.py driven directly over a hand-built paged cache.
   4. two micro-batches on two streams (attention of one beside the GEMMs of the other) vs one batch, at
      B = 128, 256, 384: whole forward + LM head captured in a graph, replay time;
   5. the engine's batch-1 decode steps under the profiler (GPU work beside the graph, waits on the host), and
-     an A/B of the graph input staging modes (EngineConfig.cuda_graph_staging);
+     an A/B of its graph captured with and without programmatic dependent launch (kernels/pdl.py);
   6. W1's shape with the decodes of mixed steps on the decode kernel vs on the extend kernel;
   7. (gemv_split) M = 1 projections through other cuBLAS call forms: transposed storage, split-K as a batched
      GEMM with bf16 or fp32 partials; (argmax) greedy argmax, torch vs kernels/argmax.py; (splitk) the
      forward's split-K o_proj/down_proj vs F.linear by batch, and one graph relaunched vs two in turn;
-     (norm) RMSNorm at one token by warp count, with and without split-K partials.
+     (norm) RMSNorm at one token by warp count, with and without split-K partials; (pdl) the forward's graph
+     replay captured with and without programmatic dependent launch, by batch, and both graphs' logits.
 
-    python -m bench.h200_probe --out $OUT [--phases gemv,batch1,splits,micro,engine,mixed,gemv_split,argmax,splitk,norm]
+    python -m bench.h200_probe --out $OUT [--phases gemv,batch1,splits,micro,engine,mixed,gemv_split,argmax,splitk,norm,pdl]
 
 Phase 1 runs with the fused decode kernel (RoPE + KV write inside the split-K kernel) and with the separate
 rope_kv_write_ and decode kernels (TritonAttention(fuse_decode=False)), in the same run.
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 from bench.gpu_suite import make_engine, prompts_for, run_timed, time_gpu
 from services.gpu_worker.attention.base import AttentionMetadata
 from services.gpu_worker.attention.triton_backend import TritonAttention
+from services.gpu_worker.kernels import pdl
 from services.gpu_worker.kernels.decode_attention import decode_attention, decode_attention_rope
 from services.gpu_worker.kernels.rms_norm import rms_norm
 from services.gpu_worker.kernels.rope_kv_write import rope_kv_write_
@@ -181,18 +183,18 @@ def engine_batch1(out: Path) -> dict:
         t0 = time.perf_counter()
         engine.step()
         host.append(time.perf_counter() - t0)
-    # A/B in turn, 3 rounds of 50 steps: the graph's inputs copied in before the replay (stream) vs inside it
-    from services.gpu_worker.cuda_graphs import STAGING_MODES, DecodeGraphs
+    # A/B in turn, 3 rounds of 50 steps: the bucket's graph captured with programmatic dependent launch (the
+    # engine's own, EngineConfig.pdl "off" by default) and the other way
+    from services.gpu_worker.cuda_graphs import DecodeGraphs
 
-    variants = {"stream": engine.graphs}
-    for mode in STAGING_MODES[1:]:
-        try:
-            variants[mode] = DecodeGraphs(engine.model, engine.kv, engine.backend, 1, engine.max_seq_len, staging=mode)
-            variants[mode].capture()
-        except Exception as exc:  # a variant that cannot run is recorded, the others still are
-            variants.pop(mode)
-            print(f"staging {mode}: {exc!r}"[:300], flush=True)
-    staging_ab: dict[str, list[float]] = {k: [] for k in variants}
+    own = "pdl_on" if pdl.is_enabled() else "pdl_off"
+    variants = {own: engine.graphs}
+    pdl.set_enabled(own == "pdl_off")
+    other = DecodeGraphs(engine.model, engine.kv, engine.backend, 1, engine.max_seq_len)
+    other.capture()
+    variants["pdl_off" if own == "pdl_on" else "pdl_on"] = other
+    pdl.set_enabled(own == "pdl_on")
+    step_ab: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(3):
         for label, graphs in variants.items():
             engine.flush()
@@ -203,9 +205,9 @@ def engine_batch1(out: Path) -> dict:
             for _ in range(50):
                 engine.step()
             torch.cuda.synchronize()
-            staging_ab[label].append((time.perf_counter() - t0) / 50 * 1e3)
+            step_ab[label].append((time.perf_counter() - t0) / 50 * 1e3)
     engine.flush()
-    engine.graphs = variants["stream"]
+    engine.graphs = variants[own]
     steps = 20
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
@@ -238,7 +240,7 @@ def engine_batch1(out: Path) -> dict:
                 for k, v in sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:top]}
 
     return {"host_step_ms_median": round(sorted(host)[len(host) // 2] * 1e3, 4),
-            "step_ms_by_staging": {k: [round(v, 4) for v in vs] for k, vs in staging_ab.items()},
+            "step_ms_by_pdl": {k: [round(v, 4) for v in vs] for k, vs in step_ab.items()},
             "gpu_span_per_step_us": round(span / steps, 1), "gpu_busy_per_step_us": round(busy / steps, 1),
             "gaps_over_3us_per_step": per_step(gaps, 10),
             "non_layer_gpu_work_per_step": per_step(fam, 12),
@@ -371,7 +373,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     p.add_argument("--phases", default="gemv,batch1,splits,micro,engine,mixed",
-                   help="comma-separated; also gemv_split, argmax, splitk, norm")
+                   help="comma-separated; also gemv_split, argmax, splitk, norm, pdl")
     p.add_argument("--mixed-requests", type=int, default=1000, help="W1 requests for the mixed-steps phase")
     args = p.parse_args()
     phases = set(args.phases.split(","))
@@ -405,7 +407,7 @@ def main() -> int:
     if "mixed" in phases:
         save("w1_mixed_steps", w1_mixed_steps(args.mixed_requests))
         torch.cuda.empty_cache()
-    if not phases & {"batch1", "splits", "micro", "splitk", "norm"}:
+    if not phases & {"batch1", "splits", "micro", "splitk", "norm", "pdl"}:
         return 0
     cfg = preset("llama3-8b")
     torch.manual_seed(0)
@@ -518,6 +520,42 @@ def main() -> int:
                 del g
             fused.rms_norm = plain
         save("rms_norm_b1", fign)
+
+    # 1d. programmatic dependent launch: the whole forward + LM head captured at PDL levels 0 (off), 1 (wait
+    #     only) and 2 (wait, and trigger the next launch at the start), replayed in turn (3 rounds); logits
+    #     compared with level 0's; the batch-1 graph's profile at level 1
+    if "pdl" in phases:
+        figp: dict = {}
+        levels = (0, 1, 2)
+        with torch.inference_mode():
+            for batch, ctx in ((1, 640), (1, 4096), (8, 640), (64, 640), (128, 640)):
+                mb = Batch(batch, ctx, 1, width, "cuda")
+                graphs, logits = {}, {}
+                for level in levels:
+                    pdl.set_enabled(level > 0, level=level)
+                    fn = full(mb)
+                    fn()
+                    torch.cuda.synchronize()
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g):
+                        out_logits = fn()
+                    g.replay()
+                    torch.cuda.synchronize()
+                    graphs[level], logits[level] = g, out_logits.clone()
+                pdl.set_enabled(False)
+                times: dict[int, list[float]] = {level: [] for level in levels}
+                for _ in range(3):
+                    for level, g in graphs.items():
+                        times[level].append(bench_ms(g.replay))
+                row: dict = {f"level{lv}_ms": [round(t, 4) for t in ts] for lv, ts in times.items()}
+                for level in levels[1:]:
+                    row[f"level{level}_over_off"] = round(sorted(times[level])[1] / sorted(times[0])[1], 4)
+                    row[f"level{level}_same_logits"] = bool(torch.equal(logits[0], logits[level]))
+                if batch == 1 and ctx == 640:
+                    row["profile_level1"] = profile_graph(graphs[1], out, "b1pdl")
+                figp[f"B{batch}_L{ctx}"] = row
+                del graphs, logits
+        save("pdl", figp)
 
     # 3. batch-1 decode attention by split count: 32 layers' caches in one graph
     fig3 = {}

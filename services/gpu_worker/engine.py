@@ -161,6 +161,9 @@ class Engine:
         if self.backend.name != "triton":
             return None
         self.model.enable_fused_kernels()
+        from services.gpu_worker.kernels import pdl
+
+        pdl.set_enabled(pdl.resolve(config.pdl, self.device))
         if not config.enable_cuda_graphs or self.device.type != "cuda":
             return None
         from services.gpu_worker.cuda_graphs import DecodeGraphs

@@ -30,6 +30,10 @@ class EngineConfig:
     enable_cuda_graphs: bool = True  # cuda + triton: replay captured decode steps (cuda_graphs.py)
     # How a graph step's inputs reach the GPU: "stream", "graph_copy" or "graph_kernel" (cuda_graphs.DecodeGraphs)
     cuda_graph_staging: str = "stream"
+    # Programmatic dependent launch of the decode path's Triton kernels (kernels/pdl.py): "off", "auto" (on
+    # where the GPU has it, compute capability >= 9.0) or "on" (an error where it has not). Off by default:
+    # on the H200 it made the batch-1 step slower (docs/PERFORMANCE.md).
+    pdl: str = "off"
     seed: int = 0  # random weights' seed for random:<preset> models
     # Queue step N+1 before reading step N's tokens (engine.step). None: on for CUDA, where the host's work
     # then hides behind the GPU's; off on the CPU, where it would only delay each token by one step.
@@ -41,6 +45,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, not {self.tensor_parallel_size}")
+        if self.pdl not in ("auto", "on", "off"):
+            raise ValueError(f"pdl must be 'auto', 'on' or 'off', not {self.pdl!r}")
 
     def resolved_device(self) -> str:
         if self.device == "auto":

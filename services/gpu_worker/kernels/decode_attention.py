@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from services.gpu_worker.kernels import pdl
+
 BLOCK_N = 64
 MAX_SPLITS = 32
 
@@ -42,7 +44,9 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, seq_lens_ptr, out_ptr, 
                    sm_scale, stride_qb, stride_qh, stride_cs, stride_ch, stride_tb, stride_ob, stride_oh,
                    stride_knb, stride_knh, stride_vnb, stride_vnh,
                    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, NEW_TOKEN: tl.constexpr):
+                   BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, NEW_TOKEN: tl.constexpr,
+                   USE_PDL: tl.constexpr):
+    pdl.wait_for_previous(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -126,7 +130,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, seq_lens_ptr, out_ptr, 
 
 @triton.jit
 def _decode_reduce_kernel(part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, num_heads,
-                          HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                          HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl.wait_for_previous(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, NUM_SPLITS)
@@ -166,10 +171,12 @@ def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_toke
         q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
         out.stride(0), out.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-        BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits, NEW_TOKEN=new_token is not None, num_warps=4, num_stages=2)
+        BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits, NEW_TOKEN=new_token is not None, num_warps=4, num_stages=2,
+        **pdl.launch_options())
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            part, lse, out, out.stride(0), out.stride(1), num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits)
+            part, lse, out, out.stride(0), out.stride(1), num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            **pdl.launch_options())
     return out
 
 
