@@ -110,7 +110,7 @@ def shared_prefix_prompts(num_groups: int, per_group: int, prefix_len: int, ques
 def make_engine(args: argparse.Namespace, loaded: LoadedModel, **overrides) -> Engine:
     config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                           max_num_batched_tokens=args.max_num_batched_tokens,
-                          max_num_seqs=args.max_num_seqs, **overrides)
+                          max_num_seqs=args.max_num_seqs, kv_cache_dtype=args.kv_cache_dtype, **overrides)
     return Engine(config, loaded=loaded)
 
 
@@ -190,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix-len", type=int, default=512, help="W2 system prompt tokens")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="EngineConfig.kv_cache_dtype")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-peer", action="store_true", help="W0/W1: skip transformers generate()")

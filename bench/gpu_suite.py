@@ -125,13 +125,14 @@ def _row(num_bytes: float, seconds: float) -> dict:
 
 
 def make_engine(loaded, max_num_seqs: int, chunk: int, graphs: bool = True, staging: str = "stream",
-                pdl: str = "off"):
+                pdl: str = "off", kv_cache_dtype: str = "auto"):
     from services.gpu_worker.engine import Engine
     from services.gpu_worker.engine_config import EngineConfig
 
     config = EngineConfig(model="random:llama3-8b", device="cuda", dtype="bfloat16", max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=chunk, max_model_len=4096, enable_prefix_cache=False,
-                          enable_cuda_graphs=graphs, cuda_graph_staging=staging, pdl=pdl)
+                          enable_cuda_graphs=graphs, cuda_graph_staging=staging, pdl=pdl,
+                          kv_cache_dtype=kv_cache_dtype)
     return Engine(config, loaded=loaded)
 
 
@@ -172,10 +173,11 @@ def run_timed(engine, prompts, output_len: int, deadline: float | None = None) -
             "is_cut_short": is_cut, "decode_steps": steps}
 
 
-def summarise_steps(steps: list, copy_tbs: float) -> dict:
+def summarise_steps(steps: list, copy_tbs: float, kv_bytes_per_token: int = KV_BYTES_PER_TOKEN) -> dict:
+    """Decode steps against the roofline: (weights + context tokens × KV bytes per token) / copy bandwidth."""
     if not steps:
         return {}
-    ratios = [dt / ((WEIGHT_BYTES + kv * KV_BYTES_PER_TOKEN) / (copy_tbs * 1e12)) for _, kv, dt in steps]
+    ratios = [dt / ((WEIGHT_BYTES + kv * kv_bytes_per_token) / (copy_tbs * 1e12)) for _, kv, dt in steps]
     times = [dt for _, _, dt in steps]
     batches = [b for b, _, _ in steps]
     return {"num_decode_steps": len(steps), "median_step_ms": round(statistics.median(times) * 1e3, 3),
@@ -235,6 +237,7 @@ def main() -> int:
     p.add_argument("--peer-repeats", type=int, default=2, help="timed transformers generate() runs (median)")
     p.add_argument("--graph-staging", default="stream", help="EngineConfig.cuda_graph_staging")
     p.add_argument("--pdl", default="off", help="EngineConfig.pdl: off, auto or on")
+    p.add_argument("--kv-cache-dtype", default="auto", help="EngineConfig.kv_cache_dtype: auto or fp8")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -261,13 +264,14 @@ def main() -> int:
 
     t0 = time.perf_counter()
     engine = make_engine(loaded, max_num_seqs=max(args.w0_requests, args.w1_max_seqs), chunk=args.chunk,
-                         staging=args.graph_staging, pdl=args.pdl)
+                         staging=args.graph_staging, pdl=args.pdl, kv_cache_dtype=args.kv_cache_dtype)
     setup_s = time.perf_counter() - t0
+    kv_bytes = KV_BYTES_PER_TOKEN * engine.kv.k.element_size() // 2  # the constant is bf16's
     replay = {b: round(graph_replay_ms(engine, b), 3) for b in (1, 8, 64, 128, 256) if b in engine.graphs.graphs}
     from services.gpu_worker.kernels import pdl
 
     suite.save("engine_setup", {"seconds_incl_graph_capture": round(setup_s, 1), "num_pages": engine.num_pages,
-                                "pdl": pdl.is_enabled(),
+                                "pdl": pdl.is_enabled(), "kv_cache_dtype": str(engine.kv.dtype),
                                 "graph_buckets": engine.graphs.buckets, "graph_replay_ms_1token_ctx": replay,
                                 "weights_roofline_ms": round(WEIGHT_BYTES / (copy_tbs * 1e12) * 1e3, 3)})
 
@@ -280,7 +284,7 @@ def main() -> int:
         tpot = statistics.median(dt for _, _, dt in b1["decode_steps"])
         batch1["overlap" if overlap else "serial"] = {
             "tpot_ms": round(tpot * 1e3, 3), "tok_s": round(1 / tpot, 1), "roofline_ms": 3.76,
-            "tpot_over_roofline": round(tpot * 1e3 / 3.76, 3), **summarise_steps(b1["decode_steps"], copy_tbs)}
+            "tpot_over_roofline": round(tpot * 1e3 / 3.76, 3), **summarise_steps(b1["decode_steps"], copy_tbs, kv_bytes)}
     suite.save("batch1_decode", batch1)
 
     w0_fig: dict = {"transformers": peer}
@@ -291,7 +295,7 @@ def main() -> int:
         w0_fig["overlap" if overlap else "serial"] = {
             **{k: v for k, v in best.items() if k != "decode_steps"}, "all_seconds": [r["seconds"] for r in runs],
             "decode_steps_seconds": round(sum(dt for _, _, dt in best["decode_steps"]), 3),
-            **summarise_steps(best["decode_steps"], copy_tbs)}
+            **summarise_steps(best["decode_steps"], copy_tbs, kv_bytes)}
     w0_fig["ratio_vs_peer_median"] = round(w0_fig["overlap"]["output_tok_s"] / peer["median_output_tok_s"], 2)
     w0_fig["overlap_over_serial_tok_s"] = round(w0_fig["overlap"]["output_tok_s"] / w0_fig["serial"]["output_tok_s"], 3)
     suite.save("w0", w0_fig)
@@ -302,7 +306,7 @@ def main() -> int:
     w1_prompts = prompts_for(args.w1_requests, 1000, vocab, 2)
     w1 = run_timed(engine, w1_prompts, 1000, deadline=deadline)
     w1_fig = {k: v for k, v in w1.items() if k != "decode_steps"}
-    w1_fig.update(summarise_steps(w1["decode_steps"], copy_tbs))
+    w1_fig.update(summarise_steps(w1["decode_steps"], copy_tbs, kv_bytes))
     w1_fig["decode_steps_seconds"] = round(sum(dt for _, _, dt in w1["decode_steps"]), 3)
     w1_fig["num_requests"], w1_fig["max_num_seqs"] = args.w1_requests, args.w1_max_seqs
     w1_fig["num_preemptions"] = engine.policy.num_preemptions

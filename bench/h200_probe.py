@@ -17,9 +17,10 @@ model/fused.py driven directly over a hand-built paged cache.
      GEMM with bf16 or fp32 partials; (argmax) greedy argmax, torch vs kernels/argmax.py; (splitk) the
      forward's split-K o_proj/down_proj vs F.linear by batch, and one graph relaunched vs two in turn;
      (norm) RMSNorm at one token by warp count, with and without split-K partials; (pdl) the forward's graph
-     replay captured with and without programmatic dependent launch, by batch, and both graphs' logits.
+     replay captured with and without programmatic dependent launch, by batch, and both graphs' logits;
+  8. (fp8kv) the whole forward's graph replay with the KV cache in FP8 vs bf16, by batch and context.
 
-    python -m bench.h200_probe --out $OUT [--phases gemv,batch1,splits,micro,engine,mixed,gemv_split,argmax,splitk,norm,pdl]
+    python -m bench.h200_probe --out $OUT [--phases gemv,batch1,splits,micro,engine,mixed,gemv_split,argmax,splitk,norm,pdl,fp8kv]
 
 Phase 1 runs with the fused decode kernel (RoPE + KV write inside the split-K kernel) and with the separate
 rope_kv_write_ and decode kernels (TritonAttention(fuse_decode=False)), in the same run.
@@ -373,7 +374,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     p.add_argument("--phases", default="gemv,batch1,splits,micro,engine,mixed",
-                   help="comma-separated; also gemv_split, argmax, splitk, norm, pdl")
+                   help="comma-separated; also gemv_split, argmax, splitk, norm, pdl, fp8kv")
     p.add_argument("--mixed-requests", type=int, default=1000, help="W1 requests for the mixed-steps phase")
     args = p.parse_args()
     phases = set(args.phases.split(","))
@@ -407,7 +408,7 @@ def main() -> int:
     if "mixed" in phases:
         save("w1_mixed_steps", w1_mixed_steps(args.mixed_requests))
         torch.cuda.empty_cache()
-    if not phases & {"batch1", "splits", "micro", "splitk", "norm", "pdl"}:
+    if not phases & {"batch1", "splits", "micro", "splitk", "norm", "pdl", "fp8kv"}:
         return 0
     cfg = preset("llama3-8b")
     torch.manual_seed(0)
@@ -614,6 +615,32 @@ def main() -> int:
         row["roofline_ms"] = round((16.06e9 + kv_bytes) / (copy_tbs * 1e12) * 1e3, 3)
         fig4[f"B{batch}_L{ctx}"] = row
         save("micro_batches", fig4)
+
+    # 8. the KV cache in FP8 (EngineConfig.kv_cache_dtype="fp8") vs bf16: whole-forward graph replay by batch and
+    #    context, the same pages and inputs; the bf16 pool is freed before the FP8 one is made (last phase)
+    if "fp8kv" in phases:
+        shapes = ((1, 640), (1, 4096), (64, 1504), (128, 640), (256, 1504), (384, 1504))
+        figf: dict = {}
+        for label in ("bfloat16", "fp8"):
+            if label == "fp8":
+                del kv
+                torch.cuda.empty_cache()
+                kv = KVCache(cfg.num_layers, num_pages, PAGE, cfg.num_kv_heads, cfg.head_dim, torch.float8_e4m3fn,
+                             "cuda")
+                for pool in (kv.k, kv.v):  # N(0, 1) as the bf16 pool's, one layer at a time
+                    for layer in pool:
+                        layer.copy_(torch.randn(layer.shape, device="cuda", dtype=torch.bfloat16))
+            with torch.inference_mode():
+                for batch, ctx in shapes:
+                    g = graph_of(full(Batch(batch, ctx, 1, width, "cuda")))
+                    figf.setdefault(f"B{batch}_L{ctx}", {})[f"{label}_ms"] = round(bench_ms(g.replay), 4)
+                    del g
+        for batch, ctx in shapes:
+            row = figf[f"B{batch}_L{ctx}"]
+            row["ratio_fp8_over_bf16"] = round(row["fp8_ms"] / row["bfloat16_ms"], 4)
+            row["roofline_ms_bf16_kv"] = round((16.06e9 + batch * ctx * 131072) / (copy_tbs * 1e12) * 1e3, 3)
+            row["roofline_ms_fp8_kv"] = round((16.06e9 + batch * ctx * 65536) / (copy_tbs * 1e12) * 1e3, 3)
+        save("fp8_kv_cache", figf)
     return 0
 
 

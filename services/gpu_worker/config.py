@@ -27,6 +27,8 @@ class WorkerConfig:
     seed: int = field(default=0, metadata={"help": "weights seed of random:<preset> models"})
     page_size: int = field(default=16, metadata={"help": "tokens per KV page (and per hashed block)"})
     num_pages: int = field(default=0, metadata={"help": "KV pages (0: sized automatically)"})
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "help": "auto (the model's dtype) or fp8 (e4m3: half the bytes per cached token, not bit-exact)"})
     max_num_batched_tokens: int = field(default=512, metadata={"help": "token budget of one engine step"})
     max_num_seqs: int = field(default=256, metadata={"help": "most sequences running at once"})
     max_model_len: int = field(default=0, metadata={"help": "context limit (0: the model's)"})
@@ -75,7 +77,7 @@ class WorkerConfig:
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(model=self.model, device=self.device, dtype=self.dtype, page_size=self.page_size,
-                            num_pages=self.num_pages or None,
+                            num_pages=self.num_pages or None, kv_cache_dtype=self.kv_cache_dtype,
                             max_num_batched_tokens=self.max_num_batched_tokens,
                             max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len or None,
                             enable_prefix_cache=self.enable_prefix_cache, seed=self.seed,

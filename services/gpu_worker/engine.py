@@ -14,7 +14,7 @@ from services.gpu_worker.attention import AttentionMetadata, make_backend
 from services.gpu_worker.batch_policy import BatchPolicy, ScheduledItem, StepPlan
 from services.gpu_worker.block_pool import BlockPool
 from services.gpu_worker.engine_config import EngineConfig
-from services.gpu_worker.kv_cache import KVCache
+from services.gpu_worker.kv_cache import KVCache, raw
 from services.gpu_worker.model.llama import LlamaForCausalLM
 from services.gpu_worker.model.loader import LoadedModel, load_model
 from services.gpu_worker.radix_cache import RadixCache
@@ -115,14 +115,15 @@ class Engine:
         self.model.eval()
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
-        self.num_pages = config.resolved_num_pages(loaded.config, dtype, self.device)
+        kv_dtype = config.resolved_kv_dtype()
+        self.num_pages = config.resolved_num_pages(loaded.config, kv_dtype, self.device)
         if self.tp is not None:
             self.num_pages = self.tp.min_over_ranks(self.num_pages)  # every rank must plan with the same pool
         # A sequence, even running alone, never holds more tokens than the whole pool's slots.
         self.max_seq_len = min(self.max_model_len, (self.num_pages - 1) * config.page_size)
         self.kv = KVCache(loaded.config.num_layers, self.num_pages, config.page_size,
                           loaded.config.num_kv_heads // config.tensor_parallel_size, loaded.config.head_dim,
-                          dtype, self.device)
+                          kv_dtype, self.device)
         self.pool = BlockPool(self.num_pages)
         cache_cls = RadixCache
         if self.tp is not None:
@@ -204,7 +205,8 @@ class Engine:
     def export_pages(self, page_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of these pages, each [num_layers, len(page_ids), page_size, num_kv_heads, head_dim]."""
         index = torch.tensor(page_ids, dtype=torch.long, device=self.kv.k.device)
-        return self.kv.k.index_select(1, index), self.kv.v.index_select(1, index)
+        return (raw(self.kv.k).index_select(1, index).view(self.kv.dtype),
+                raw(self.kv.v).index_select(1, index).view(self.kv.dtype))
 
     def import_request(self, request_id: str, prompt_token_ids: list[int], first_token: int,
                        params: SamplingParams, num_cached_tokens: int = 0) -> ImportPlan:

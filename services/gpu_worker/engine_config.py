@@ -10,6 +10,7 @@ from services.gpu_worker.model.config import ModelConfig
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+_KV_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,10 @@ class EngineConfig:
     # on the H200 it made the batch-1 step slower (docs/PERFORMANCE.md).
     pdl: str = "off"
     seed: int = 0  # random weights' seed for random:<preset> models
+    # The KV cache's dtype: "auto" (the model's dtype) or "fp8" (float8 e4m3, no scale: half the bytes per
+    # token, so twice the tokens in the pool and half the KV reads of decode attention; not bit-exact to the
+    # model dtype's cache: each cached K/V element keeps 3 mantissa bits)
+    kv_cache_dtype: str = "auto"
     # Queue step N+1 before reading step N's tokens (engine.step). None: on for CUDA, where the host's work
     # then hides behind the GPU's; off on the CPU, where it would only delay each token by one step.
     enable_overlap: bool | None = None
@@ -45,6 +50,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, not {self.tensor_parallel_size}")
+        if self.kv_cache_dtype not in _KV_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(_KV_DTYPES)}, not {self.kv_cache_dtype!r}")
         if self.pdl not in ("auto", "on", "off"):
             raise ValueError(f"pdl must be 'auto', 'on' or 'off', not {self.pdl!r}")
 
@@ -64,6 +71,9 @@ class EngineConfig:
         if self.dtype not in _DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r} (choices: {', '.join(_DTYPES)})")
         return _DTYPES[self.dtype]
+
+    def resolved_kv_dtype(self) -> torch.dtype:
+        return self.resolved_dtype() if self.kv_cache_dtype == "auto" else _KV_DTYPES[self.kv_cache_dtype]
 
     def resolved_num_pages(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
         """Pages in the pool (page 0 included), at least enough for one full-length sequence on cpu.

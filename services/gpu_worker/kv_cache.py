@@ -1,4 +1,9 @@
-"""The paged KV tensors: one K and one V page array per layer, addressed by slot = page_id * page_size + offset."""
+"""The paged KV tensors: one K and one V page array per layer, addressed by slot = page_id * page_size + offset.
+
+The cache may hold a narrower dtype than the model computes in: FP8 (e4m3, no scale: values round to the
+nearest of its 3 mantissa bits and saturate at ±448) halves the bytes of every page, so the pool holds twice
+the tokens and decode attention reads half the bytes. Readers convert to the compute dtype as they load.
+"""
 from __future__ import annotations
 
 import torch
@@ -20,6 +25,7 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, P, S, KVH, D]
         self.num_pages = num_pages
         self.page_size = page_size
+        self.dtype = dtype
 
     @staticmethod
     def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
@@ -30,12 +36,21 @@ class KVCache:
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store this step's new K/V rows. slot_mapping: [T] int64; k, v: [T, KVH, D]."""
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        self.k[layer].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(self.k.dtype))
-        self.v[layer].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(self.v.dtype))
+        raw(self.k[layer]).view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, raw(k.to(self.dtype)))
+        raw(self.v[layer]).view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, raw(v.to(self.dtype)))
 
     def copy_pages(self, src_page_ids: list[int], dst_page_ids: list[int]) -> None:
         """Copy whole pages across all layers (copy-on-write of a shared partial page)."""
         src = to_device(src_page_ids, torch.long, self.k.device)
         dst = to_device(dst_page_ids, torch.long, self.k.device)
-        self.k.index_copy_(1, dst, self.k.index_select(1, src))
-        self.v.index_copy_(1, dst, self.v.index_select(1, src))
+        for pool in (raw(self.k), raw(self.v)):
+            pool.index_copy_(1, dst, pool.index_select(1, src))
+
+
+FP8_DTYPES = (torch.float8_e4m3fn,)
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """An FP8 tensor viewed as uint8 (same bytes), for the indexing ops torch lacks for FP8 on the CPU;
+    other tensors as they are."""
+    return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t

@@ -1,11 +1,13 @@
-"""The torch reference attention over the paged KV cache: correct on any device, the CPU path."""
+"""The torch reference attention over the paged KV cache: correct on any device, the CPU path.
+
+A cache of another dtype than q's (FP8) is converted to q's dtype as it is gathered."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
 from services.gpu_worker.attention.base import AttentionBackend, AttentionMetadata
-from services.gpu_worker.kv_cache import KVCache
+from services.gpu_worker.kv_cache import KVCache, raw
 
 
 class TorchAttention(AttentionBackend):
@@ -25,8 +27,8 @@ class TorchAttention(AttentionBackend):
         num_seqs, num_heads, head_dim = q.shape
         num_pages = -(-meta.max_seq_len // cache.page_size)
         pages = meta.page_table[:, :num_pages].long()  # [B, P]
-        k = _gather(cache.k[layer], pages, num_heads)  # [B, H, P*S, D]
-        v = _gather(cache.v[layer], pages, num_heads)
+        k = _gather(cache.k[layer], pages, num_heads, q.dtype)  # [B, H, P*S, D]
+        v = _gather(cache.v[layer], pages, num_heads, q.dtype)
         key_pos = torch.arange(k.shape[2], device=q.device)
         mask = key_pos[None, :] < meta.seq_lens[:, None]  # [B, P*S]
         out = F.scaled_dot_product_attention(
@@ -42,8 +44,8 @@ class TorchAttention(AttentionBackend):
             seq_len = meta.seq_lens_host[i]
             num_pages = -(-seq_len // cache.page_size)
             pages = meta.page_table[i : i + 1, :num_pages].long()  # [1, P]
-            k = _gather(cache.k[layer], pages, num_heads)[:, :, :seq_len]  # [1, H, L, D]
-            v = _gather(cache.v[layer], pages, num_heads)[:, :, :seq_len]
+            k = _gather(cache.k[layer], pages, num_heads, q.dtype)[:, :, :seq_len]  # [1, H, L, D]
+            v = _gather(cache.v[layer], pages, num_heads, q.dtype)[:, :, :seq_len]
             num_new = end - start
             q_pos = torch.arange(seq_len - num_new, seq_len, device=q.device)
             mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [n, L]
@@ -53,10 +55,11 @@ class TorchAttention(AttentionBackend):
         return out
 
 
-def _gather(pages_kv: torch.Tensor, pages: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """pages_kv: [P_all, S, KVH, D], pages: [B, P] → [B, H, P*S, D] with KV heads repeated for GQA."""
+def _gather(pages_kv: torch.Tensor, pages: torch.Tensor, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """pages_kv: [P_all, S, KVH, D], pages: [B, P] → [B, H, P*S, D] in dtype, KV heads repeated for GQA."""
     num_seqs, num_pages = pages.shape
     _, page_size, num_kv_heads, head_dim = pages_kv.shape
-    kv = pages_kv[pages].reshape(num_seqs, num_pages * page_size, num_kv_heads, head_dim)
+    kv = raw(pages_kv)[pages].view(pages_kv.dtype).to(dtype)
+    kv = kv.reshape(num_seqs, num_pages * page_size, num_kv_heads, head_dim)
     kv = kv.transpose(1, 2)  # [B, KVH, L, D]
     return kv.repeat_interleave(num_heads // num_kv_heads, dim=1)

@@ -88,8 +88,9 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, seq_lens_ptr, out_ptr, 
         page = tl.load(table_ptr + b * stride_tb + offs_n // PAGE_SIZE, mask=n_mask, other=0)
         slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
         kv_off = slot[:, None] * stride_cs + kvh * stride_ch + offs_d[None, :]  # [BLOCK_N, D]
-        k = tl.load(k_ptr + kv_off, mask=n_mask[:, None], other=0.0)
-        v = tl.load(v_ptr + kv_off, mask=n_mask[:, None], other=0.0)
+        # NOTE: an FP8 cache is widened to q's dtype here (a no-op for a cache of q's dtype)
+        k = tl.load(k_ptr + kv_off, mask=n_mask[:, None], other=0.0).to(q_ptr.dtype.element_ty)
+        v = tl.load(v_ptr + kv_off, mask=n_mask[:, None], other=0.0).to(q_ptr.dtype.element_ty)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_H, BLOCK_N] fp32, log2 units
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -108,7 +109,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, seq_lens_ptr, out_ptr, 
         alpha = tl.exp2(m_i - m_ref)
         p_new = tl.exp2(s_new - m_ref)
         l_i = l_i * alpha + p_new
-        acc = acc * alpha[:, None] + p_new.to(v_ptr.dtype.element_ty).to(tl.float32)[:, None] * \
+        acc = acc * alpha[:, None] + p_new.to(q_ptr.dtype.element_ty).to(tl.float32)[:, None] * \
             v_new.to(tl.float32)[None, :]
         m_i = m_new
         dst = tl.load(slot_ptr + b).to(tl.int64) * stride_cs + kvh * stride_ch + offs_d

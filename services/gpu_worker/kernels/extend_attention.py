@@ -47,8 +47,9 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, qstart_ptr, seq_lens_ptr, table
         page = tl.load(table_ptr + b * stride_tb + offs_n // PAGE_SIZE, mask=n_mask, other=0)
         slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
         kv_off = slot[:, None] * stride_cs + kvh * stride_ch + offs_d[None, :]
-        k = tl.load(k_ptr + kv_off, mask=n_mask[:, None], other=0.0)  # [BLOCK_N, D]
-        v = tl.load(v_ptr + kv_off, mask=n_mask[:, None], other=0.0)
+        # NOTE: an FP8 cache is widened to q's dtype here (a no-op for a cache of q's dtype)
+        k = tl.load(k_ptr + kv_off, mask=n_mask[:, None], other=0.0).to(q_ptr.dtype.element_ty)  # [BLOCK_N, D]
+        v = tl.load(v_ptr + kv_off, mask=n_mask[:, None], other=0.0).to(q_ptr.dtype.element_ty)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N]
         allowed = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         s = tl.where(allowed, s, float("-inf"))

@@ -5,6 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
+from services.gpu_worker.kv_cache import raw
+
 
 @triton.jit
 def _kv_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
@@ -40,5 +42,5 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def kv_write_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping.long(), k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping.long(), v.to(v_cache.dtype))
+    raw(k_cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping.long(), raw(k.to(k_cache.dtype)))
+    raw(v_cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping.long(), raw(v.to(v_cache.dtype)))

@@ -6,11 +6,12 @@ from typing import Protocol
 
 import torch
 
-from services.gpu_worker.kv_cache import KVCache
+from services.gpu_worker.kv_cache import KVCache, raw
 from shared.messages import KVSource
 
 BACKENDS = ("auto", "shm", "cuda_ipc", "stream")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 class TransferError(Exception):
@@ -73,8 +74,8 @@ def check_compatible(source: KVSource, kv: KVCache) -> None:
 def copy_into(kv: KVCache, dst_page_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
     """Write pages into kv. k, v: [num_layers, len(dst_page_ids), page_size, num_kv_heads, head_dim]."""
     index = torch.tensor(dst_page_ids, dtype=torch.long, device=kv.k.device)
-    kv.k.index_copy_(1, index, k.to(device=kv.k.device, dtype=kv.k.dtype, non_blocking=True))
-    kv.v.index_copy_(1, index, v.to(device=kv.v.device, dtype=kv.v.dtype, non_blocking=True))
+    raw(kv.k).index_copy_(1, index, raw(k.to(device=kv.k.device, dtype=kv.k.dtype, non_blocking=True)))
+    raw(kv.v).index_copy_(1, index, raw(v.to(device=kv.v.device, dtype=kv.v.dtype, non_blocking=True)))
 
 
 def make_puller(backend: str) -> KVPuller:

@@ -12,7 +12,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from services.gpu_worker.kv_cache import KVCache
+from services.gpu_worker.kv_cache import KVCache, raw
 from services.gpu_worker.kv_transfer.base import DTYPES, TransferError, check_compatible, copy_into
 from shared import transport
 from shared.messages import KVSource, PagesChunk, PagesRequest, TransferInbound, TransferReply, decode, encode
@@ -64,8 +64,8 @@ class PageServer:
 
 
 def _raw(t: torch.Tensor) -> bytes:
-    """A tensor's bytes, C order (bfloat16 viewed as int16: numpy has no bfloat16)."""
-    t = t.detach().contiguous().cpu()
+    """A tensor's bytes, C order (bfloat16 viewed as int16, FP8 as uint8: numpy has neither)."""
+    t = raw(t.detach().contiguous().cpu())
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
     return t.numpy().tobytes()

@@ -1,0 +1,112 @@
+"""An FP8 (e4m3) KV cache on the Triton path: the kernels read it as the dequantized cache it is (the references
+run on that cache widened to fp32), write what torch's cast writes, and (GPU) the Triton engine gives the torch
+backend's tokens when both cache in FP8. The engine's FP8 plumbing on the CPU: tests/unit/test_fp8_kv_cache.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.gpu_worker.kernels.decode_attention import decode_attention, decode_attention_ref, decode_attention_rope
+from services.gpu_worker.kernels.extend_attention import extend_attention, extend_attention_ref
+from services.gpu_worker.kernels.rope import rope_ref
+from services.gpu_worker.kernels.rope_kv_write import rope_kv_write_
+from services.gpu_worker.model.loader import load_model
+from tests.kernels.helpers import DEVICE, gpu_only, randn, random_paged_cache, rel_err
+from tests.kernels.test_triton_engine import _assert_same_greedy, _generate, _prompts
+
+FP8 = torch.float8_e4m3fn
+
+
+def _caches(seq_lens, num_kv_heads, head_dim, page_size, gen):
+    k, v, table, lens = random_paged_cache(seq_lens, page_size, num_kv_heads, head_dim, torch.float32, DEVICE, gen)
+    return k.to(FP8), v.to(FP8), table, lens
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_reads_the_fp8_cache_as_its_dequantized_values(num_splits):
+    gen = torch.Generator().manual_seed(num_splits)
+    k, v, table, lens = _caches([5, 37, 130], 2, 16, 4, gen)
+    q = randn((3, 4, 16), gen, torch.float32, DEVICE)
+    out = decode_attention(q, k, v, table, lens, num_splits)
+    assert rel_err(out, decode_attention_ref(q, k.float(), v.float(), table, lens)) < 2e-3
+
+
+def test_extend_reads_the_fp8_cache_as_its_dequantized_values():
+    gen = torch.Generator().manual_seed(7)
+    k, v, table, lens = _caches([40, 9, 23], 2, 16, 4, gen)
+    query_start = torch.tensor([0, 5, 14, 15], dtype=torch.int32, device=DEVICE)
+    q = randn((15, 4, 16), gen, torch.float32, DEVICE)
+    out = extend_attention(q, k, v, query_start, lens, table, 9, 16, 16)
+    assert rel_err(out, extend_attention_ref(q, k.float(), v.float(), query_start, lens, table)) < 2e-3
+
+
+def _decode_step(dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    k_cache, v_cache, table, lens = _caches([3, 33, 70], 2, 16, 4, gen)
+    qkv = randn((3, 8, 16), gen, dtype, DEVICE)
+    q, k, v = qkv[:, :4], qkv[:, 4:6], qkv[:, 6:]
+    positions = lens.long() - 1
+    slots = table.long().gather(1, (positions // 4)[:, None])[:, 0] * 4 + positions % 4
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, device=DEVICE, dtype=torch.float32) / 16))
+    return q, k, v, positions, inv_freq, k_cache, v_cache, slots, table, lens
+
+
+def _assert_torchs_cast(got: torch.Tensor, want: torch.Tensor) -> None:
+    """got (FP8) holds torch's cast of want (FP8), bit for bit. NOTE: on the CPU, Triton's interpreter rounds to
+    FP8 with a flaw of its own: a mantissa rounding up out of its binade loses its carry when the exponent is
+    odd, giving half the value (a power of two); the GPU converts in hardware, exactly. Only that is let pass."""
+    same = got.view(torch.uint8) == want.view(torch.uint8)
+    if got.is_cuda:
+        assert bool(same.all())
+        return
+    g, w = got.float()[~same], want.float()[~same]
+    assert torch.equal(g * 2, w) and bool((torch.frexp(w.abs())[0] == 0.5).all()), (g[:5], w[:5])
+    assert same.float().mean() > 0.95
+
+
+def test_writes_store_torchs_fp8_cast_and_the_fused_decode_attends_to_it():
+    q, k, v, positions, inv_freq, k_cache, v_cache, slots, table, lens = _decode_step(torch.float32, 3)
+    rq, rk = rope_ref(q, k, positions, inv_freq)
+    k2, v2, q2 = k_cache.clone(), v_cache.clone(), q.clone()
+    rope_kv_write_(q2, k, v, positions, inv_freq, k2, v2, slots.to(torch.int32))
+    _assert_torchs_cast(k2.view(-1, 2, 16)[slots], rk.to(FP8))
+    _assert_torchs_cast(v2.view(-1, 2, 16)[slots], v.to(FP8))
+    untouched = torch.ones(k2.view(-1, 2, 16).shape[0], dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert torch.equal(k2.view(-1, 2, 16)[untouched].view(torch.uint8), k_cache.view(-1, 2, 16)[untouched].view(torch.uint8))
+
+    out = decode_attention_rope(q, k, v, positions, inv_freq, k_cache, v_cache, slots.to(torch.int32), table, lens, 4)
+    assert torch.equal(k_cache.view(torch.uint8), k2.view(torch.uint8))  # the fused kernel writes the same bytes
+    assert torch.equal(v_cache.view(torch.uint8), v2.view(torch.uint8))
+    ref = decode_attention_ref(rq, k2.float(), v2.float(), table, lens)
+    assert rel_err(out, ref) < 2e-3
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("num_splits", [1, 32])
+def test_fp8_cache_llama8b_shapes(num_splits):
+    gen = torch.Generator().manual_seed(num_splits)
+    seq_lens = [1, 17, 700, 2048]
+    k, v, table, lens = _caches(seq_lens, 8, 128, 16, gen)
+    q = randn((4, 32, 128), gen, torch.bfloat16, DEVICE)
+    out = decode_attention(q, k, v, table, lens, num_splits)
+    assert rel_err(out, decode_attention_ref(q, k.float(), v.float(), table, lens)) < 1e-2
+    query_start = torch.tensor([0, 1, 18, 118, 630], dtype=torch.int32, device=DEVICE)
+    qe = randn((630, 32, 128), gen, torch.bfloat16, DEVICE)
+    out = extend_attention(qe, k, v, query_start, lens, table, 512)
+    assert rel_err(out, extend_attention_ref(qe, k.float(), v.float(), query_start, lens, table)) < 1e-2
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("preset", ["qwen3-0.6b", "smollm2-135m"])
+def test_triton_engine_with_fp8_cache_equals_torch_backend_gpu(preset):
+    """CUDA graphs, chunked prefill and mixed batches, both backends caching in FP8: the same greedy tokens up
+    to bf16 near-ties."""
+    loaded = load_model(f"random:{preset}", dtype=torch.bfloat16, device="cuda", seed=2)
+    prompts = _prompts(loaded.config.vocab_size, 6, 300)
+    ref = _generate(preset, loaded, prompts, 24, "bfloat16", attention_backend="torch", kv_cache_dtype="fp8")
+    got = _generate(preset, loaded, prompts, 24, "bfloat16", attention_backend="triton", kv_cache_dtype="fp8",
+                    max_num_batched_tokens=256, max_num_seqs=8)
+    assert _assert_same_greedy(ref, got, 0.1) >= len(prompts) * 12
