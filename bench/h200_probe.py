@@ -41,7 +41,7 @@ from bench.gpu_suite import make_engine, prompts_for, run_timed, time_gpu
 from services.gpu_worker.attention.base import AttentionMetadata
 from services.gpu_worker.attention.triton_backend import TritonAttention
 from services.gpu_worker.kernels import pdl
-from services.gpu_worker.kernels.decode_attention import decode_attention, decode_attention_rope
+from services.gpu_worker.kernels.decode_attention import decode_attention, decode_attention_rope, num_splits_for
 from services.gpu_worker.kernels.rms_norm import rms_norm
 from services.gpu_worker.kernels.rope_kv_write import rope_kv_write_
 from services.gpu_worker.kernels.silu_mul import silu_mul
@@ -249,9 +249,10 @@ def engine_batch1(out: Path) -> dict:
 
 
 def w1_mixed_steps(num_requests: int) -> dict:
-    """W1's shape (1000 → 1000, 384 sequences) on one engine, twice: mixed steps sending their decodes to the
-    decode kernel (TritonAttention.mixed_decodes_to_decode_kernel), then to the extend kernel with the prefill
-    chunks (the default). Decode-only steps replay the same graphs in both. Same prompts, same run."""
+    """W1's shape (1000 → 1000, 384 sequences) on one engine, four runs in turn: mixed steps sending their
+    decodes to the extend kernel with the prefill chunks (the default), then to the decode kernel
+    (TritonAttention.mixed_decodes_to_decode_kernel), twice each. Decode-only steps replay the same graphs in
+    all. Same prompts, same run."""
     from services.gpu_worker.model.loader import load_model
 
     loaded = load_model("random:llama3-8b", dtype=torch.bfloat16, device="cuda", seed=0)
@@ -266,17 +267,18 @@ def w1_mixed_steps(num_requests: int) -> dict:
     for to_decode in (True, False):
         engine.backend.mixed_decodes_to_decode_kernel = to_decode
         run_timed(engine, prompts[:64], 16)
-    for to_decode in (True, False):
+    for to_decode in (False, True, False, True):  # in turn, so neither owns the first or the last run
         engine.backend.mixed_decodes_to_decode_kernel = to_decode
         r = run_timed(engine, prompts, 1000)
         decode_s = sum(dt for *_, dt in r["decode_steps"])
-        res["decodes_to_decode_kernel" if to_decode else "decodes_to_extend_kernel"] = {
+        res.setdefault("decodes_to_decode_kernel" if to_decode else "decodes_to_extend_kernel", []).append({
             "seconds": round(r["seconds"], 3), "output_tok_s": round(r["output_tok_s"], 1),
             "decode_only_steps": len(r["decode_steps"]), "decode_only_seconds": round(decode_s, 3),
-            "steps_with_prefill_seconds": round(r["seconds"] - decode_s, 3)}
+            "steps_with_prefill_seconds": round(r["seconds"] - decode_s, 3)})
     engine.backend.mixed_decodes_to_decode_kernel = False
-    res["throughput_ratio"] = round(res["decodes_to_decode_kernel"]["output_tok_s"]
-                                    / res["decodes_to_extend_kernel"]["output_tok_s"], 4)
+    best = {k: max(run["output_tok_s"] for run in res[k])
+            for k in ("decodes_to_decode_kernel", "decodes_to_extend_kernel")}
+    res["throughput_ratio_of_best_runs"] = round(best["decodes_to_decode_kernel"] / best["decodes_to_extend_kernel"], 4)
     return res
 
 
@@ -617,10 +619,13 @@ def main() -> int:
         save("micro_batches", fig4)
 
     # 8. the KV cache in FP8 (EngineConfig.kv_cache_dtype="fp8") vs bf16: whole-forward graph replay by batch and
-    #    context, the same pages and inputs; the bf16 pool is freed before the FP8 one is made (last phase)
+    #    context, and the decode attention alone (32 layers in one graph); the bf16 pool is freed before the FP8
+    #    one is made (last phase). NOTE: run (d) of 2026-12-03 also timed the attention with its products
+    #    transposed (K and V as the dots' first operands): slower for both dtypes, and dropped.
     if "fp8kv" in phases:
-        shapes = ((1, 640), (1, 4096), (64, 1504), (128, 640), (256, 1504), (384, 1504))
+        shapes = ((1, 640), (64, 1504), (128, 640), (256, 1504), (384, 1504))
         figf: dict = {}
+        num_sms = torch.cuda.get_device_properties(0).multi_processor_count
         for label in ("bfloat16", "fp8"):
             if label == "fp8":
                 del kv
@@ -632,14 +637,24 @@ def main() -> int:
                         layer.copy_(torch.randn(layer.shape, device="cuda", dtype=torch.bfloat16))
             with torch.inference_mode():
                 for batch, ctx in shapes:
-                    g = graph_of(full(Batch(batch, ctx, 1, width, "cuda")))
-                    figf.setdefault(f"B{batch}_L{ctx}", {})[f"{label}_ms"] = round(bench_ms(g.replay), 4)
+                    mb = Batch(batch, ctx, 1, width, "cuda")
+                    row = figf.setdefault(f"B{batch}_L{ctx}", {})
+                    g = graph_of(full(mb))
+                    row[f"{label}_forward_ms"] = round(bench_ms(g.replay), 4)
+                    del g
+                    qkv = torch.randn((batch, 48, 128), device="cuda", dtype=torch.bfloat16)
+                    q, k, v = qkv[:, :32], qkv[:, 32:40], qkv[:, 40:]
+                    splits = num_splits_for(batch, cfg.num_kv_heads, num_sms)
+                    g = graph_of(lambda: [decode_attention_rope(q, k, v, mb.positions, model.inv_freq, kv.k[i],
+                                                                kv.v[i], mb.slots, mb.page_table, mb.seq_lens, splits)
+                                          for i in range(cfg.num_layers)])
+                    row[f"{label}_attention_32_layers_ms"] = round(bench_ms(g.replay), 4)
                     del g
         for batch, ctx in shapes:
             row = figf[f"B{batch}_L{ctx}"]
-            row["ratio_fp8_over_bf16"] = round(row["fp8_ms"] / row["bfloat16_ms"], 4)
-            row["roofline_ms_bf16_kv"] = round((16.06e9 + batch * ctx * 131072) / (copy_tbs * 1e12) * 1e3, 3)
-            row["roofline_ms_fp8_kv"] = round((16.06e9 + batch * ctx * 65536) / (copy_tbs * 1e12) * 1e3, 3)
+            row["forward_ratio_fp8_over_bf16"] = round(row["fp8_forward_ms"] / row["bfloat16_forward_ms"], 4)
+            row["kv_read_ms_at_copy_bf16"] = round(batch * ctx * 131072 / (copy_tbs * 1e12) * 1e3, 3)
+            row["kv_read_ms_at_copy_fp8"] = round(batch * ctx * 65536 / (copy_tbs * 1e12) * 1e3, 3)
         save("fp8_kv_cache", figf)
     return 0
 

@@ -73,7 +73,8 @@ def test_writes_store_torchs_fp8_cast_and_the_fused_decode_attends_to_it():
     _assert_torchs_cast(v2.view(-1, 2, 16)[slots], v.to(FP8))
     untouched = torch.ones(k2.view(-1, 2, 16).shape[0], dtype=torch.bool, device=DEVICE)
     untouched[slots] = False
-    assert torch.equal(k2.view(-1, 2, 16)[untouched].view(torch.uint8), k_cache.view(-1, 2, 16)[untouched].view(torch.uint8))
+    before = k_cache.view(-1, 2, 16)[untouched].view(torch.uint8)
+    assert torch.equal(k2.view(-1, 2, 16)[untouched].view(torch.uint8), before)
 
     out = decode_attention_rope(q, k, v, positions, inv_freq, k_cache, v_cache, slots.to(torch.int32), table, lens, 4)
     assert torch.equal(k_cache.view(torch.uint8), k2.view(torch.uint8))  # the fused kernel writes the same bytes
@@ -105,8 +106,10 @@ def test_triton_engine_with_fp8_cache_equals_torch_backend_gpu(preset):
     """CUDA graphs, chunked prefill and mixed batches, both backends caching in FP8: the same greedy tokens up
     to bf16 near-ties."""
     loaded = load_model(f"random:{preset}", dtype=torch.bfloat16, device="cuda", seed=2)
-    prompts = _prompts(loaded.config.vocab_size, 6, 300)
+    prompts = _prompts(loaded.config.vocab_size, 24, 300)
     ref = _generate(preset, loaded, prompts, 24, "bfloat16", attention_backend="torch", kv_cache_dtype="fp8")
     got = _generate(preset, loaded, prompts, 24, "bfloat16", attention_backend="triton", kv_cache_dtype="fp8",
                     max_num_batched_tokens=256, max_num_seqs=8)
-    assert _assert_same_greedy(ref, got, 0.1) >= len(prompts) * 12
+    # NOTE: random weights give near-flat logits: bf16 near-ties end most comparisons (one run on the H200 with
+    # 6 prompts compared 67 tokens before its ties); the tie rule itself is asserted token by token
+    assert _assert_same_greedy(ref, got, 0.1) >= len(prompts) * 8

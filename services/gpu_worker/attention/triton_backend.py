@@ -24,11 +24,11 @@ class TritonAttention(AttentionBackend):
     name = "triton"
 
     def __init__(self, num_sms: int | None = None, fuse_decode: bool = True,
-                 mixed_decodes_to_decode_kernel: bool = False) -> None:
+                 mixed_decodes_to_decode_kernel: bool = True) -> None:
         # False: rope_kv_write_ then the decode kernel, as before decode_attention_rope (benchmarks compare both)
         self.fuse_decode = fuse_decode
-        # NOTE: off by default: its one H200 A/B (bench/h200_probe.py --phases mixed) measured 0.95× W1
-        # throughput, likely from Triton compiles inside the timed run; see docs/PERFORMANCE.md
+        # On by default: W1's shape on the H200, four runs in turn, gave 1.026× and 1.036× the output throughput
+        # of the extend-kernel path (bench/h200_probe.py --phases mixed; docs/PERFORMANCE.md)
         self.mixed_decodes_to_decode_kernel = mixed_decodes_to_decode_kernel
         self.num_sms = num_sms or (torch.cuda.get_device_properties(0).multi_processor_count
                                    if torch.cuda.is_available() else 1)

@@ -39,7 +39,8 @@ def embedding_fed(weight: torch.Tensor, ids: torch.Tensor, src: torch.Tensor, pr
         return out
     assert weight.stride(1) == 1 and src.shape == ids.shape
     _embedding_fed_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        weight, ids, src, prev, out, hidden, weight.stride(0), out.stride(0), BLOCK=block, num_warps=4, **pdl.launch_options())
+        weight, ids, src, prev, out, hidden, weight.stride(0), out.stride(0), BLOCK=block, num_warps=4,
+        **pdl.launch_options())
     return out
 
 
