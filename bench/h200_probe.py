@@ -18,9 +18,10 @@ model/fused.py driven directly over a hand-built paged cache.
      forward's split-K o_proj/down_proj vs F.linear by batch, and one graph relaunched vs two in turn;
      (norm) RMSNorm at one token by warp count, with and without split-K partials; (pdl) the forward's graph
      replay captured with and without programmatic dependent launch, by batch, and both graphs' logits;
-  8. (fp8kv) the whole forward's graph replay with the KV cache in FP8 vs bf16, by batch and context.
+  8. (fp8kv) the whole forward's graph replay with the KV cache in FP8 vs bf16, by batch and context;
+     (fp8tune) the decode attention over an FP8 cache by the split kernel's tile (keys, warps, stages).
 
-    python -m bench.h200_probe --out $OUT [--phases gemv,batch1,splits,micro,engine,mixed,gemv_split,argmax,splitk,norm,pdl,fp8kv]
+    python -m bench.h200_probe --out $OUT [--phases gemv,batch1,...,pdl,fp8kv,fp8tune]
 
 Phase 1 runs with the fused decode kernel (RoPE + KV write inside the split-K kernel) and with the separate
 rope_kv_write_ and decode kernels (TritonAttention(fuse_decode=False)), in the same run.
@@ -282,6 +283,57 @@ def w1_mixed_steps(num_requests: int) -> dict:
     return res
 
 
+def fp8_tile_sweep(copy_tbs: float) -> dict:
+    """Decode attention with RoPE, 32 layers in one graph, over an FP8 cache by the split kernel's tile (keys per
+    tile, warps, pipeline stages), beside the bf16 cache at its default tile and one other; no model."""
+    from services.gpu_worker.model.rope import inv_frequencies
+
+    cfg = preset("llama3-8b")
+    inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).float().cuda()
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = ((64, 1504), (384, 1504))
+    num_pages = 1 + 384 * (1504 // PAGE) + 64
+    width = 4096 // PAGE
+    plans = {"bfloat16": [(64, 4, 2), (128, 8, 2)],
+             "fp8": [(64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3),
+                     (32, 4, 3), (32, 4, 4)]}
+    res: dict = {}
+    for label, tiles in plans.items():
+        dtype = torch.bfloat16 if label == "bfloat16" else torch.float8_e4m3fn
+        kv = KVCache(cfg.num_layers, num_pages, PAGE, cfg.num_kv_heads, cfg.head_dim, dtype, "cuda")
+        for pool in (kv.k, kv.v):
+            for layer in pool:
+                layer.copy_(torch.randn(layer.shape, device="cuda", dtype=torch.bfloat16))
+        with torch.inference_mode():
+            for batch, ctx in shapes:
+                mb = Batch(batch, ctx, 1, width, "cuda")
+                qkv = torch.randn((batch, 48, 128), device="cuda", dtype=torch.bfloat16)
+                q, k, v = qkv[:, :32], qkv[:, 32:40], qkv[:, 40:]
+                splits = num_splits_for(batch, cfg.num_kv_heads, num_sms)
+                row = res.setdefault(f"B{batch}_L{ctx}", {
+                    "kv_read_ms_at_copy_bf16": round(batch * ctx * 131072 / (copy_tbs * 1e12) * 1e3, 3),
+                    "kv_read_ms_at_copy_fp8": round(batch * ctx * 65536 / (copy_tbs * 1e12) * 1e3, 3)})
+                first = None
+                for tile in tiles:
+                    def attend(tile=tile):
+                        return [decode_attention_rope(q, k, v, mb.positions, inv_freq, kv.k[i], kv.v[i], mb.slots,
+                                                      mb.page_table, mb.seq_lens, splits, tile=tile)
+                                for i in range(cfg.num_layers)]
+                    key = f"{label}_{tile[0]}x{tile[1]}w{tile[2]}s"
+                    try:
+                        out0 = attend()[0].float()
+                        first = out0 if first is None else first
+                        g = graph_of(attend)
+                        row[key + "_ms"] = round(bench_ms(g.replay), 4)
+                        row[key + "_rel_diff"] = float((out0 - first).norm() / first.norm())
+                        del g
+                    except Exception as exc:  # a tile that cannot compile (shared memory) is recorded, not fatal
+                        row[key + "_error"] = repr(exc)[:200]
+        del kv
+        torch.cuda.empty_cache()
+    return res
+
+
 def gemv_table(copy_tbs: float) -> dict:
     shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
               "lm_head": (128256, 4096)}
@@ -376,7 +428,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     p.add_argument("--phases", default="gemv,batch1,splits,micro,engine,mixed",
-                   help="comma-separated; also gemv_split, argmax, splitk, norm, pdl, fp8kv")
+                   help="comma-separated; also gemv_split, argmax, splitk, norm, pdl, fp8kv, fp8tune")
     p.add_argument("--mixed-requests", type=int, default=1000, help="W1 requests for the mixed-steps phase")
     args = p.parse_args()
     phases = set(args.phases.split(","))
@@ -404,6 +456,9 @@ def main() -> int:
     if "argmax" in phases:
         save("argmax", argmax_table())
 
+    if "fp8tune" in phases:
+        save("fp8_tile_sweep", fp8_tile_sweep(copy_tbs))
+        torch.cuda.empty_cache()
     if "engine" in phases:
         save("engine_batch1_profile", engine_batch1(out))
         torch.cuda.empty_cache()

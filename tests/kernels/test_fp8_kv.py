@@ -22,12 +22,13 @@ def _caches(seq_lens, num_kv_heads, head_dim, page_size, gen):
     return k.to(FP8), v.to(FP8), table, lens
 
 
+@pytest.mark.parametrize("tile", [None, (32, 4, 3), (128, 8, 2)])  # None: TILE_FP8
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_decode_reads_the_fp8_cache_as_its_dequantized_values(num_splits):
+def test_decode_reads_the_fp8_cache_as_its_dequantized_values(num_splits, tile):
     gen = torch.Generator().manual_seed(num_splits)
     k, v, table, lens = _caches([5, 37, 130], 2, 16, 4, gen)
     q = randn((3, 4, 16), gen, torch.float32, DEVICE)
-    out = decode_attention(q, k, v, table, lens, num_splits)
+    out = decode_attention(q, k, v, table, lens, num_splits, tile=tile)
     assert rel_err(out, decode_attention_ref(q, k.float(), v.float(), table, lens)) < 2e-3
 
 

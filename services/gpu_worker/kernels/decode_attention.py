@@ -23,9 +23,14 @@ import triton
 import triton.language as tl
 
 from services.gpu_worker.kernels import pdl
+from services.gpu_worker.kv_cache import FP8_DTYPES
 
 BLOCK_N = 64
 MAX_SPLITS = 32
+# (keys per tile, warps, pipeline stages) of the split kernel, by cache dtype; `tile=` overrides (the probe's
+# sweep: bench/h200_probe.py --phases fp8tune)
+TILE = (BLOCK_N, 4, 2)
+TILE_FP8 = (BLOCK_N, 4, 2)
 
 
 @triton.jit
@@ -151,7 +156,7 @@ def num_splits_for(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
     return min(MAX_SPLITS, 1 << (want - 1).bit_length())
 
 
-def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_token):
+def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_token, tile):
     num_seqs, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -166,13 +171,15 @@ def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_toke
     else:
         part = lse = out
     k_new, v_new, positions, inv_freq, slots = new_token or (q, q, q, q, q)
+    block_n, num_warps, num_stages = tile or (TILE_FP8 if k_cache.dtype in FP8_DTYPES else TILE)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, page_table, seq_lens, out, part, lse,
         k_new, v_new, positions, inv_freq, slots, 1.0 / math.sqrt(head_dim),
         q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
         out.stride(0), out.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-        BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits, NEW_TOKEN=new_token is not None, num_warps=4, num_stages=2,
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, NEW_TOKEN=new_token is not None, num_warps=num_warps,
+        num_stages=num_stages,
         **pdl.launch_options())
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -182,27 +189,31 @@ def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_toke
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-                     seq_lens: torch.Tensor, num_splits: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                     seq_lens: torch.Tensor, num_splits: int, out: torch.Tensor | None = None,
+                     tile: tuple[int, int, int] | None = None) -> torch.Tensor:
     """q: [B, H, D]; k_cache, v_cache: [P, S, KVH, D]; page_table: [B, max_pages] int32; seq_lens: [B] (≥ 1).
 
-    Returns out [B, H, D]: softmax(q·Kᵀ/√D)·V over each sequence's keys [0, seq_len).
+    Returns out [B, H, D]: softmax(q·Kᵀ/√D)·V over each sequence's keys [0, seq_len). tile: (keys per tile,
+    warps, stages) of the split kernel; None: TILE, or TILE_FP8 for an FP8 cache.
     """
-    return _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, None)
+    return _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, None, tile)
 
 
 def decode_attention_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                           inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           slot_mapping: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
-                          num_splits: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                          num_splits: int, out: torch.Tensor | None = None,
+                          tile: tuple[int, int, int] | None = None) -> torch.Tensor:
     """rope_kv_write_ then decode_attention in one kernel, for a decode step (the new token of sequence b sits
     at position positions[b] = seq_lens[b] - 1, slot slot_mapping[b]).
 
     q: [B, H, D], k, v: [B, KVH, D] un-rotated (read, not changed); inv_freq: [D/2] fp32. Writes the rotated k
     and v into the caches and returns out [B, H, D]. q is not rotated in place (rope_kv_write_ does that).
+    tile: as decode_attention's.
     """
     assert k.stride(2) == 1 and v.stride(2) == 1 and inv_freq.dtype == torch.float32
     return _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out,
-                   (k, v, positions, inv_freq, slot_mapping))
+                   (k, v, positions, inv_freq, slot_mapping), tile)
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
