@@ -54,6 +54,8 @@ class WorkerConfig:
             raise ValueError("scheduler_addrs names no scheduler")
         if self.heartbeat_interval_s <= 0:
             raise ValueError("heartbeat_interval_s must be > 0")
+        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be auto or fp8, not {self.kv_cache_dtype!r}")
         if self.kv_transfer not in ("auto", "shm", "cuda_ipc", "stream"):
             raise ValueError(f"kv_transfer must be auto, shm, cuda_ipc or stream, not {self.kv_transfer!r}")
         if self.lease_ttl_s <= 0 or self.num_pull_threads < 1:

@@ -103,3 +103,11 @@ def test_prefix_cache_and_pd_import_give_the_tokens_of_a_cold_fp8_engine(loaded)
         assert torch.equal(k_pages.view(torch.uint8), decode.kv.k[:, plan.page_ids[:full]].view(torch.uint8))
     finally:
         exported.close()
+
+
+def test_worker_flag_reaches_the_engine_config_and_a_bad_value_is_refused():
+    from services.gpu_worker.config import WorkerConfig
+
+    assert WorkerConfig(kv_cache_dtype="fp8").engine_config().resolved_kv_dtype() == FP8
+    with pytest.raises(ValueError, match="kv_cache_dtype must be auto or fp8"):
+        WorkerConfig(kv_cache_dtype="int4")
