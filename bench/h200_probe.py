@@ -285,7 +285,7 @@ def w1_mixed_steps(num_requests: int) -> dict:
 
 def fp8_tile_sweep(copy_tbs: float) -> dict:
     """Decode attention with RoPE, 32 layers in one graph, over an FP8 cache by the split kernel's tile (keys per
-    tile, warps, pipeline stages), beside the bf16 cache at its default tile and one other; no model."""
+    tile, warps, pipeline stages, fp16 dots), beside the bf16 cache at its default tile and one other; no model."""
     from services.gpu_worker.model.rope import inv_frequencies
 
     cfg = preset("llama3-8b")
@@ -294,9 +294,9 @@ def fp8_tile_sweep(copy_tbs: float) -> dict:
     shapes = ((64, 1504), (384, 1504))
     num_pages = 1 + 384 * (1504 // PAGE) + 64
     width = 4096 // PAGE
-    plans = {"bfloat16": [(64, 4, 2), (128, 8, 2)],
-             "fp8": [(64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3),
-                     (32, 4, 3), (32, 4, 4)]}
+    shapes_fp8 = [(64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3), (32, 4, 3)]
+    plans = {"bfloat16": [(64, 4, 2, False), (128, 8, 2, False)],
+             "fp8": [(*t, f16) for f16 in (False, True) for t in shapes_fp8]}
     res: dict = {}
     for label, tiles in plans.items():
         dtype = torch.bfloat16 if label == "bfloat16" else torch.float8_e4m3fn
@@ -319,7 +319,7 @@ def fp8_tile_sweep(copy_tbs: float) -> dict:
                         return [decode_attention_rope(q, k, v, mb.positions, inv_freq, kv.k[i], kv.v[i], mb.slots,
                                                       mb.page_table, mb.seq_lens, splits, tile=tile)
                                 for i in range(cfg.num_layers)]
-                    key = f"{label}_{tile[0]}x{tile[1]}w{tile[2]}s"
+                    key = f"{label}_{tile[0]}x{tile[1]}w{tile[2]}s" + ("_f16dot" if tile[3] else "")
                     try:
                         out0 = attend()[0].float()
                         first = out0 if first is None else first

@@ -22,7 +22,7 @@ def _caches(seq_lens, num_kv_heads, head_dim, page_size, gen):
     return k.to(FP8), v.to(FP8), table, lens
 
 
-@pytest.mark.parametrize("tile", [None, (32, 4, 3), (128, 8, 2)])  # None: TILE_FP8
+@pytest.mark.parametrize("tile", [None, (32, 4, 3, False), (128, 8, 2, True), (64, 4, 2, True)])  # None: TILE_FP8
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_decode_reads_the_fp8_cache_as_its_dequantized_values(num_splits, tile):
     gen = torch.Generator().manual_seed(num_splits)
@@ -77,11 +77,14 @@ def test_writes_store_torchs_fp8_cast_and_the_fused_decode_attends_to_it():
     before = k_cache.view(-1, 2, 16)[untouched].view(torch.uint8)
     assert torch.equal(k2.view(-1, 2, 16)[untouched].view(torch.uint8), before)
 
-    out = decode_attention_rope(q, k, v, positions, inv_freq, k_cache, v_cache, slots.to(torch.int32), table, lens, 4)
-    assert torch.equal(k_cache.view(torch.uint8), k2.view(torch.uint8))  # the fused kernel writes the same bytes
-    assert torch.equal(v_cache.view(torch.uint8), v2.view(torch.uint8))
     ref = decode_attention_ref(rq, k2.float(), v2.float(), table, lens)
-    assert rel_err(out, ref) < 2e-3
+    for tile in (None, (64, 4, 2, True)):  # the default, and fp16 dots
+        kc, vc = k_cache.clone(), v_cache.clone()
+        out = decode_attention_rope(q, k, v, positions, inv_freq, kc, vc, slots.to(torch.int32), table, lens, 4,
+                                    tile=tile)
+        assert torch.equal(kc.view(torch.uint8), k2.view(torch.uint8))  # the fused kernel writes the same bytes
+        assert torch.equal(vc.view(torch.uint8), v2.view(torch.uint8))
+        assert rel_err(out, ref) < 2e-3
 
 
 @pytest.mark.gpu

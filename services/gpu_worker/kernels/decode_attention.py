@@ -27,10 +27,12 @@ from services.gpu_worker.kv_cache import FP8_DTYPES
 
 BLOCK_N = 64
 MAX_SPLITS = 32
-# (keys per tile, warps, pipeline stages) of the split kernel, by cache dtype; `tile=` overrides (the probe's
-# sweep: bench/h200_probe.py --phases fp8tune)
-TILE = (BLOCK_N, 4, 2)
-TILE_FP8 = (BLOCK_N, 4, 2)
+# (keys per tile, warps, pipeline stages, fp16 dots) of the split kernel, by cache dtype; `tile=` overrides (the
+# probe's sweep: bench/h200_probe.py --phases fp8tune). fp16 dots: q, the widened K/V tiles and p go into the
+# tensor cores as fp16 instead of q's dtype. e4m3 widens to fp16 exactly, one instruction per pair; a bf16 q is
+# exact in fp16 from 2^-14 up, clamped at ±65504; p in [0, 1] keeps 3 more bits than in bf16.
+TILE = (BLOCK_N, 4, 2, False)
+TILE_FP8 = (BLOCK_N, 4, 2, False)
 
 
 @triton.jit
@@ -50,7 +52,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, seq_lens_ptr, out_ptr, 
                    stride_knb, stride_knh, stride_vnb, stride_vnh,
                    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, NEW_TOKEN: tl.constexpr,
-                   USE_PDL: tl.constexpr):
+                   F16_DOT: tl.constexpr, USE_PDL: tl.constexpr):
     pdl.wait_for_previous(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -82,6 +84,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, seq_lens_ptr, out_ptr, 
         cache_end = seq_len - 1  # the new token's K/V come from registers, not the cache
     else:
         q = tl.load(q_rows + offs_d[None, :], mask=h_mask[:, None], other=0.0)  # [BLOCK_H, D]
+    if F16_DOT:
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
@@ -93,9 +97,13 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, seq_lens_ptr, out_ptr, 
         page = tl.load(table_ptr + b * stride_tb + offs_n // PAGE_SIZE, mask=n_mask, other=0)
         slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
         kv_off = slot[:, None] * stride_cs + kvh * stride_ch + offs_d[None, :]  # [BLOCK_N, D]
-        # NOTE: an FP8 cache is widened to q's dtype here (a no-op for a cache of q's dtype)
-        k = tl.load(k_ptr + kv_off, mask=n_mask[:, None], other=0.0).to(q_ptr.dtype.element_ty)
-        v = tl.load(v_ptr + kv_off, mask=n_mask[:, None], other=0.0).to(q_ptr.dtype.element_ty)
+        # NOTE: an FP8 cache is widened to q's dtype here (a no-op for a cache of q's dtype), or to fp16
+        if F16_DOT:
+            k = tl.load(k_ptr + kv_off, mask=n_mask[:, None], other=0.0).to(tl.float16)
+            v = tl.load(v_ptr + kv_off, mask=n_mask[:, None], other=0.0).to(tl.float16)
+        else:
+            k = tl.load(k_ptr + kv_off, mask=n_mask[:, None], other=0.0).to(q_ptr.dtype.element_ty)
+            v = tl.load(v_ptr + kv_off, mask=n_mask[:, None], other=0.0).to(q_ptr.dtype.element_ty)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_H, BLOCK_N] fp32, log2 units
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -114,8 +122,11 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, seq_lens_ptr, out_ptr, 
         alpha = tl.exp2(m_i - m_ref)
         p_new = tl.exp2(s_new - m_ref)
         l_i = l_i * alpha + p_new
-        acc = acc * alpha[:, None] + p_new.to(q_ptr.dtype.element_ty).to(tl.float32)[:, None] * \
-            v_new.to(tl.float32)[None, :]
+        if F16_DOT:
+            p_new = p_new.to(tl.float16).to(tl.float32)  # rounded as the loop's p
+        else:
+            p_new = p_new.to(q_ptr.dtype.element_ty).to(tl.float32)
+        acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
         m_i = m_new
         dst = tl.load(slot_ptr + b).to(tl.int64) * stride_cs + kvh * stride_ch + offs_d
         write = tl.where(owns, offs_d < HEAD_DIM, False)  # NOTE: not `tensor & scalar` (the interpreter's mask dtype)
@@ -171,14 +182,15 @@ def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_toke
     else:
         part = lse = out
     k_new, v_new, positions, inv_freq, slots = new_token or (q, q, q, q, q)
-    block_n, num_warps, num_stages = tile or (TILE_FP8 if k_cache.dtype in FP8_DTYPES else TILE)
+    block_n, num_warps, num_stages, f16_dot = tile or (TILE_FP8 if k_cache.dtype in FP8_DTYPES else TILE)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, page_table, seq_lens, out, part, lse,
         k_new, v_new, positions, inv_freq, slots, 1.0 / math.sqrt(head_dim),
         q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
         out.stride(0), out.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-        BLOCK_N=block_n, NUM_SPLITS=num_splits, NEW_TOKEN=new_token is not None, num_warps=num_warps,
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, NEW_TOKEN=new_token is not None, F16_DOT=f16_dot,
+        num_warps=num_warps,
         num_stages=num_stages,
         **pdl.launch_options())
     if num_splits > 1:
@@ -190,11 +202,11 @@ def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_toke
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                      seq_lens: torch.Tensor, num_splits: int, out: torch.Tensor | None = None,
-                     tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+                     tile: tuple[int, int, int, bool] | None = None) -> torch.Tensor:
     """q: [B, H, D]; k_cache, v_cache: [P, S, KVH, D]; page_table: [B, max_pages] int32; seq_lens: [B] (≥ 1).
 
     Returns out [B, H, D]: softmax(q·Kᵀ/√D)·V over each sequence's keys [0, seq_len). tile: (keys per tile,
-    warps, stages) of the split kernel; None: TILE, or TILE_FP8 for an FP8 cache.
+    warps, stages, fp16 dots) of the split kernel; None: TILE, or TILE_FP8 for an FP8 cache.
     """
     return _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, None, tile)
 
@@ -203,7 +215,7 @@ def decode_attention_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos
                           inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           slot_mapping: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
                           num_splits: int, out: torch.Tensor | None = None,
-                          tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+                          tile: tuple[int, int, int, bool] | None = None) -> torch.Tensor:
     """rope_kv_write_ then decode_attention in one kernel, for a decode step (the new token of sequence b sits
     at position positions[b] = seq_lens[b] - 1, slot slot_mapping[b]).
 
