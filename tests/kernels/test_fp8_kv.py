@@ -95,8 +95,9 @@ def test_fp8_cache_llama8b_shapes(num_splits):
     seq_lens = [1, 17, 700, 2048]
     k, v, table, lens = _caches(seq_lens, 8, 128, 16, gen)
     q = randn((4, 32, 128), gen, torch.bfloat16, DEVICE)
-    out = decode_attention(q, k, v, table, lens, num_splits)
-    assert rel_err(out, decode_attention_ref(q, k.float(), v.float(), table, lens)) < 1e-2
+    ref = decode_attention_ref(q, k.float(), v.float(), table, lens)
+    for tile in (None, (64, 4, 2, True), (128, 8, 3, True)):  # the default; fp16 dots
+        assert rel_err(decode_attention(q, k, v, table, lens, num_splits, tile=tile), ref) < 1e-2
     query_start = torch.tensor([0, 1, 18, 118, 630], dtype=torch.int32, device=DEVICE)
     qe = randn((630, 32, 128), gen, torch.bfloat16, DEVICE)
     out = extend_attention(qe, k, v, query_start, lens, table, 512)
