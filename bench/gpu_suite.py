@@ -284,7 +284,8 @@ def main() -> int:
         tpot = statistics.median(dt for _, _, dt in b1["decode_steps"])
         batch1["overlap" if overlap else "serial"] = {
             "tpot_ms": round(tpot * 1e3, 3), "tok_s": round(1 / tpot, 1), "roofline_ms": 3.76,
-            "tpot_over_roofline": round(tpot * 1e3 / 3.76, 3), **summarise_steps(b1["decode_steps"], copy_tbs, kv_bytes)}
+            "tpot_over_roofline": round(tpot * 1e3 / 3.76, 3),
+            **summarise_steps(b1["decode_steps"], copy_tbs, kv_bytes)}
     suite.save("batch1_decode", batch1)
 
     w0_fig: dict = {"transformers": peer}

@@ -591,15 +591,12 @@ def main() -> int:
                 graphs, logits = {}, {}
                 for level in levels:
                     pdl.set_enabled(level > 0, level=level)
+                    captured: dict = {}
                     fn = full(mb)
-                    fn()
-                    torch.cuda.synchronize()
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g):
-                        out_logits = fn()
+                    g = graph_of(lambda: captured.__setitem__("logits", fn()))  # the last call's is the graph's
                     g.replay()
                     torch.cuda.synchronize()
-                    graphs[level], logits[level] = g, out_logits.clone()
+                    graphs[level], logits[level] = g, captured["logits"].clone()
                 pdl.set_enabled(False)
                 times: dict[int, list[float]] = {level: [] for level in levels}
                 for _ in range(3):

@@ -5,7 +5,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-from services.gpu_worker.engine_config import EngineConfig
+from services.gpu_worker.engine_config import KV_CACHE_DTYPES, EngineConfig
 
 ROLES = ("mixed", "prefill", "decode")
 
@@ -54,7 +54,7 @@ class WorkerConfig:
             raise ValueError("scheduler_addrs names no scheduler")
         if self.heartbeat_interval_s <= 0:
             raise ValueError("heartbeat_interval_s must be > 0")
-        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be auto or fp8, not {self.kv_cache_dtype!r}")
         if self.kv_transfer not in ("auto", "shm", "cuda_ipc", "stream"):
             raise ValueError(f"kv_transfer must be auto, shm, cuda_ipc or stream, not {self.kv_transfer!r}")

@@ -14,7 +14,7 @@ from services.gpu_worker.attention import AttentionMetadata, make_backend
 from services.gpu_worker.batch_policy import BatchPolicy, ScheduledItem, StepPlan
 from services.gpu_worker.block_pool import BlockPool
 from services.gpu_worker.engine_config import EngineConfig
-from services.gpu_worker.kv_cache import KVCache, raw
+from services.gpu_worker.kv_cache import KVCache, select_pages
 from services.gpu_worker.model.llama import LlamaForCausalLM
 from services.gpu_worker.model.loader import LoadedModel, load_model
 from services.gpu_worker.radix_cache import RadixCache
@@ -205,8 +205,7 @@ class Engine:
     def export_pages(self, page_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of these pages, each [num_layers, len(page_ids), page_size, num_kv_heads, head_dim]."""
         index = torch.tensor(page_ids, dtype=torch.long, device=self.kv.k.device)
-        return (raw(self.kv.k).index_select(1, index).view(self.kv.dtype),
-                raw(self.kv.v).index_select(1, index).view(self.kv.dtype))
+        return select_pages(self.kv.k, index), select_pages(self.kv.v, index)
 
     def import_request(self, request_id: str, prompt_token_ids: list[int], first_token: int,
                        params: SamplingParams, num_cached_tokens: int = 0) -> ImportPlan:

@@ -10,7 +10,7 @@ from services.gpu_worker.model.config import ModelConfig
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-_KV_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, not {self.tensor_parallel_size}")
-        if self.kv_cache_dtype not in _KV_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(_KV_DTYPES)}, not {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"not {self.kv_cache_dtype!r}")
         if self.pdl not in ("auto", "on", "off"):
             raise ValueError(f"pdl must be 'auto', 'on' or 'off', not {self.pdl!r}")
 
@@ -73,7 +74,7 @@ class EngineConfig:
         return _DTYPES[self.dtype]
 
     def resolved_kv_dtype(self) -> torch.dtype:
-        return self.resolved_dtype() if self.kv_cache_dtype == "auto" else _KV_DTYPES[self.kv_cache_dtype]
+        return self.resolved_dtype() if self.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[self.kv_cache_dtype]
 
     def resolved_num_pages(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
         """Pages in the pool (page 0 included), at least enough for one full-length sequence on cpu.

@@ -43,8 +43,8 @@ class KVCache:
         """Copy whole pages across all layers (copy-on-write of a shared partial page)."""
         src = to_device(src_page_ids, torch.long, self.k.device)
         dst = to_device(dst_page_ids, torch.long, self.k.device)
-        for pool in (raw(self.k), raw(self.v)):
-            pool.index_copy_(1, dst, pool.index_select(1, src))
+        for pool in (self.k, self.v):
+            raw(pool).index_copy_(1, dst, raw(select_pages(pool, src)))
 
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
@@ -54,3 +54,8 @@ def raw(t: torch.Tensor) -> torch.Tensor:
     """An FP8 tensor viewed as uint8 (same bytes), for the indexing ops torch lacks for FP8 on the CPU;
     other tensors as they are."""
     return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
+
+
+def select_pages(pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """pool [L, P, S, KVH, D] → its pages `index` (int64, on pool's device), [L, len(index), S, KVH, D], any dtype."""
+    return raw(pool).index_select(1, index).view(pool.dtype)

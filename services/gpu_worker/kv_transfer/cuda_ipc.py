@@ -9,7 +9,7 @@ import threading
 
 import torch
 
-from services.gpu_worker.kv_cache import KVCache, raw
+from services.gpu_worker.kv_cache import KVCache, select_pages
 from services.gpu_worker.kv_transfer.base import DTYPES, TransferError, check_compatible, copy_into, page_shape
 from services.gpu_worker.staging import to_device
 from shared.messages import CudaIpcHandle, KVSource
@@ -80,8 +80,7 @@ class CudaIpcPuller:
         else:  # the source pool is on another GPU of this host: gather there, then one peer copy per tensor
             with torch.cuda.device(k_src.device):
                 index = to_device(src_page_ids, torch.long, k_src.device)
-                k = raw(k_src).index_select(1, index).view(k_src.dtype)  # [L, n, S, KVH, D]
-                v = raw(v_src).index_select(1, index).view(v_src.dtype)
+                k, v = select_pages(k_src, index), select_pages(v_src, index)  # [L, n, S, KVH, D]
             with torch.cuda.stream(stream):
                 copy_into(kv, dst_page_ids, k, v)
             torch.cuda.synchronize(k_src.device)

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from services.gpu_worker.kv_cache import KVCache, raw
+from services.gpu_worker.kv_cache import KVCache, select_pages
 from services.gpu_worker.kv_transfer.base import DTYPES, TransferError, check_compatible, copy_into, page_shape
 from shared.messages import KVSource
 
@@ -65,8 +65,7 @@ class ShmPuller:
         check_compatible(source, kv)
         k_src, v_src = self._pool(source)
         index = torch.tensor(src_page_ids, dtype=torch.long)
-        k = raw(k_src).index_select(1, index).view(k_src.dtype)  # [L, n, S, KVH, D]
-        v = raw(v_src).index_select(1, index).view(v_src.dtype)
+        k, v = select_pages(k_src, index), select_pages(v_src, index)  # [L, n, S, KVH, D]
         copy_into(kv, dst_page_ids, k, v)
         return 2 * k.numel() * k.element_size()
 
