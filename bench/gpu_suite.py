@@ -238,7 +238,14 @@ def main() -> int:
     p.add_argument("--graph-staging", default="stream", help="EngineConfig.cuda_graph_staging")
     p.add_argument("--pdl", default="off", help="EngineConfig.pdl: off, auto or on")
     p.add_argument("--kv-cache-dtype", default="auto", help="EngineConfig.kv_cache_dtype: auto or fp8")
+    p.add_argument("--decode-tile-fp8", default="",
+                   help="replaces decode_attention.TILE_FP8: keys,warps,stages,fp16_dots,widen_v_first (e.g. 64,4,5,1,1)")
     args = p.parse_args()
+    from services.gpu_worker.kernels import decode_attention
+
+    if args.decode_tile_fp8:
+        n, w, st, f16, widen = (int(x) for x in args.decode_tile_fp8.split(","))
+        decode_attention.TILE_FP8 = (n, w, st, bool(f16), bool(widen))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     suite = Suite(out, args.time_budget_s)
@@ -272,6 +279,7 @@ def main() -> int:
 
     suite.save("engine_setup", {"seconds_incl_graph_capture": round(setup_s, 1), "num_pages": engine.num_pages,
                                 "pdl": pdl.is_enabled(), "kv_cache_dtype": str(engine.kv.dtype),
+                                "decode_tile": decode_attention.TILE, "decode_tile_fp8": decode_attention.TILE_FP8,
                                 "graph_buckets": engine.graphs.buckets, "graph_replay_ms_1token_ctx": replay,
                                 "weights_roofline_ms": round(WEIGHT_BYTES / (copy_tbs * 1e12) * 1e3, 3)})
 
