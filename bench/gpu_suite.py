@@ -232,20 +232,22 @@ def main() -> int:
     p.add_argument("--skip-tests", action="store_true")
     p.add_argument("--w0-requests", type=int, default=128)
     p.add_argument("--w1-requests", type=int, default=1000)
-    p.add_argument("--w1-max-seqs", type=int, default=256)
+    p.add_argument("--w1-max-seqs", default="256",
+                   help="max_num_seqs of W1; a comma-separated list runs W1 once per value, in turn, on one engine")
     p.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens")
     p.add_argument("--peer-repeats", type=int, default=2, help="timed transformers generate() runs (median)")
     p.add_argument("--graph-staging", default="stream", help="EngineConfig.cuda_graph_staging")
     p.add_argument("--pdl", default="off", help="EngineConfig.pdl: off, auto or on")
     p.add_argument("--kv-cache-dtype", default="auto", help="EngineConfig.kv_cache_dtype: auto or fp8")
     p.add_argument("--decode-tile-fp8", default="",
-                   help="replaces decode_attention.TILE_FP8: keys,warps,stages,fp16_dots,widen_v_first (e.g. 64,4,5,1,1)")
+                   help="replaces decode_attention.TILE_FP8: keys,warps,stages,fp16_dots,widen_v_first,max_regs "
+                        "(e.g. 128,4,2,1,0,128)")
     args = p.parse_args()
     from services.gpu_worker.kernels import decode_attention
 
     if args.decode_tile_fp8:
-        n, w, st, f16, widen = (int(x) for x in args.decode_tile_fp8.split(","))
-        decode_attention.TILE_FP8 = (n, w, st, bool(f16), bool(widen))
+        n, w, st, f16, widen, regs = (int(x) for x in args.decode_tile_fp8.split(","))
+        decode_attention.TILE_FP8 = (n, w, st, bool(f16), bool(widen), regs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     suite = Suite(out, args.time_budget_s)
@@ -270,7 +272,8 @@ def main() -> int:
     torch.cuda.empty_cache()
 
     t0 = time.perf_counter()
-    engine = make_engine(loaded, max_num_seqs=max(args.w0_requests, args.w1_max_seqs), chunk=args.chunk,
+    w1_seqs = [int(x) for x in args.w1_max_seqs.split(",")]
+    engine = make_engine(loaded, max_num_seqs=max(args.w0_requests, *w1_seqs), chunk=args.chunk,
                          staging=args.graph_staging, pdl=args.pdl, kv_cache_dtype=args.kv_cache_dtype)
     setup_s = time.perf_counter() - t0
     kv_bytes = KV_BYTES_PER_TOKEN * engine.kv.k.element_size() // 2  # the constant is bf16's
@@ -310,16 +313,18 @@ def main() -> int:
     suite.save("w0", w0_fig)
 
     engine.is_overlapped = True
-    engine.policy.max_num_seqs = args.w1_max_seqs
     deadline = suite.start + args.time_budget_s
     w1_prompts = prompts_for(args.w1_requests, 1000, vocab, 2)
-    w1 = run_timed(engine, w1_prompts, 1000, deadline=deadline)
-    w1_fig = {k: v for k, v in w1.items() if k != "decode_steps"}
-    w1_fig.update(summarise_steps(w1["decode_steps"], copy_tbs, kv_bytes))
-    w1_fig["decode_steps_seconds"] = round(sum(dt for _, _, dt in w1["decode_steps"]), 3)
-    w1_fig["num_requests"], w1_fig["max_num_seqs"] = args.w1_requests, args.w1_max_seqs
-    w1_fig["num_preemptions"] = engine.policy.num_preemptions
-    suite.save("w1", w1_fig)
+    for max_seqs in w1_seqs:
+        engine.policy.max_num_seqs = max_seqs
+        preempted = engine.policy.num_preemptions
+        w1 = run_timed(engine, w1_prompts, 1000, deadline=deadline)
+        w1_fig = {k: v for k, v in w1.items() if k != "decode_steps"}
+        w1_fig.update(summarise_steps(w1["decode_steps"], copy_tbs, kv_bytes))
+        w1_fig["decode_steps_seconds"] = round(sum(dt for _, _, dt in w1["decode_steps"]), 3)
+        w1_fig["num_requests"], w1_fig["max_num_seqs"] = args.w1_requests, max_seqs
+        w1_fig["num_preemptions"] = engine.policy.num_preemptions - preempted
+        suite.save("w1" if len(w1_seqs) == 1 else f"w1_max_seqs_{max_seqs}", w1_fig)
     print(json.dumps({k: v for k, v in suite.record["phases"].items() if k != "kernels"}, indent=1, default=str)[:6000])
     return 0
 

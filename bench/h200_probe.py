@@ -295,12 +295,14 @@ def fp8_tile_sweep(copy_tbs: float) -> dict:
     shapes = ((64, 1504), (384, 1504))
     num_pages = 1 + 384 * (1504 // PAGE) + 64
     width = 4096 // PAGE
-    # (keys, warps, stages, fp16 dots, widen V first): decode_attention.py's notes on TILE say why these
-    fp8 = [(64, 4, 2, False, False), (64, 4, 2, True, False), (64, 4, 5, True, False), (128, 4, 2, True, False)]
-    fp8 += [(*t, True, True) for t in ((64, 4, 2), (64, 4, 3), (64, 4, 5), (128, 4, 2), (128, 4, 5), (128, 8, 2),
-                                       (128, 8, 5), (64, 8, 5), (32, 4, 5))]
-    fp8 += [(64, 4, 5, False, True)]
-    plans = {"bfloat16": [(64, 4, 2, False, False), (64, 4, 5, False, False), (32, 4, 5, False, False)], "fp8": fp8}
+    # (keys, warps, stages, fp16 dots, widen V first, register cap): decode_attention.py's notes on TILE say why.
+    # The first sweep (h200_probe_20261203_e_fp8tune.json) ran the V-widening grid; this one the register caps.
+    fp8 = [(64, 4, 2, False, False, 0), (128, 4, 2, True, False, 0), (128, 4, 2, True, False, 128),
+           (128, 4, 5, True, False, 0), (128, 4, 5, True, False, 128), (128, 4, 3, True, False, 128),
+           (64, 4, 2, True, False, 128), (64, 4, 5, True, False, 128), (64, 4, 5, True, False, 96),
+           (128, 8, 2, True, False, 0), (128, 8, 5, True, False, 0), (128, 4, 5, True, True, 0)]
+    plans = {"bfloat16": [(64, 4, 2, False, False, 0), (64, 4, 2, False, False, 96), (128, 4, 2, False, False, 0)],
+             "fp8": fp8}
     res: dict = {}
     for label, tiles in plans.items():
         dtype = torch.bfloat16 if label == "bfloat16" else torch.float8_e4m3fn
@@ -324,7 +326,7 @@ def fp8_tile_sweep(copy_tbs: float) -> dict:
                                                       mb.page_table, mb.seq_lens, splits, tile=tile)
                                 for i in range(cfg.num_layers)]
                     key = (f"{label}_{tile[0]}x{tile[1]}w{tile[2]}s" + ("_f16dot" if tile[3] else "")
-                           + ("_widenv" if tile[4] else ""))
+                           + ("_widenv" if tile[4] else "") + (f"_r{tile[5]}" if tile[5] else ""))
                     try:
                         out0 = attend()[0].float()
                         first = out0 if first is None else first

@@ -27,7 +27,7 @@ from services.gpu_worker.kv_cache import FP8_DTYPES
 
 BLOCK_N = 64
 MAX_SPLITS = 32
-# (keys per tile, warps, pipeline stages, fp16 dots, widen V first) of the split kernel, by cache dtype; `tile=`
+# (keys per tile, warps, pipeline stages, fp16 dots, widen V first, register cap) of the split kernel, by cache dtype; `tile=`
 # overrides (the probe's sweep: bench/h200_probe.py --phases fp8tune). fp16 dots: q, the widened K/V tiles and p go
 # into the tensor cores as fp16 instead of q's dtype. e4m3 widens to fp16 exactly, one instruction per pair; a bf16
 # q is exact in fp16 from 2^-14 up, clamped at ±65504; p in [0, 1] keeps 3 more bits than in bf16.
@@ -37,8 +37,8 @@ MAX_SPLITS = 32
 # tile: 679 -> 586 instructions per loop iteration, 202 -> 146 registers (docs/PERFORMANCE.md).
 # NOTE: pipeline stages below 5 give the K/V copies one buffer (the page-table load takes a stage): the copy of
 # tile i+1 is issued after tile i's math and waited for at once; 5 stages double-buffer them.
-TILE = (BLOCK_N, 4, 2, False, False)
-TILE_FP8 = (BLOCK_N, 4, 2, False, False)
+TILE = (BLOCK_N, 4, 2, False, False, 0)
+TILE_FP8 = (BLOCK_N, 4, 2, False, False, 0)
 
 
 @triton.jit
@@ -187,7 +187,8 @@ def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_toke
     else:
         part = lse = out
     k_new, v_new, positions, inv_freq, slots = new_token or (q, q, q, q, q)
-    block_n, num_warps, num_stages, f16_dot, widen_v = tile or (TILE_FP8 if k_cache.dtype in FP8_DTYPES else TILE)
+    tile = tile or (TILE_FP8 if k_cache.dtype in FP8_DTYPES else TILE)
+    block_n, num_warps, num_stages, f16_dot, widen_v, max_regs = tile
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, page_table, seq_lens, out, part, lse,
         k_new, v_new, positions, inv_freq, slots, 1.0 / math.sqrt(head_dim),
@@ -196,7 +197,8 @@ def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_toke
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, NEW_TOKEN=new_token is not None, F16_DOT=f16_dot,
         WIDEN_V_FIRST=widen_v,
-        num_warps=num_warps, num_stages=num_stages, **pdl.launch_options())
+        num_warps=num_warps, num_stages=num_stages, **({"maxnreg": max_regs} if max_regs else {}),
+        **pdl.launch_options())
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part, lse, out, out.stride(0), out.stride(1), num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
@@ -206,11 +208,12 @@ def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_toke
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                      seq_lens: torch.Tensor, num_splits: int, out: torch.Tensor | None = None,
-                     tile: tuple[int, int, int, bool, bool] | None = None) -> torch.Tensor:
+                     tile: tuple[int, int, int, bool, bool, int] | None = None) -> torch.Tensor:
     """q: [B, H, D]; k_cache, v_cache: [P, S, KVH, D]; page_table: [B, max_pages] int32; seq_lens: [B] (≥ 1).
 
     Returns out [B, H, D]: softmax(q·Kᵀ/√D)·V over each sequence's keys [0, seq_len). tile: (keys per tile,
-    warps, stages, fp16 dots, prefetch) of the split kernel; None: TILE, or TILE_FP8 for an FP8 cache.
+    warps, stages, fp16 dots, widen V first, register cap or 0) of the split kernel; None: TILE, or TILE_FP8 for
+    an FP8 cache.
     """
     return _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, None, tile)
 
@@ -219,7 +222,7 @@ def decode_attention_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos
                           inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           slot_mapping: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
                           num_splits: int, out: torch.Tensor | None = None,
-                          tile: tuple[int, int, int, bool, bool] | None = None) -> torch.Tensor:
+                          tile: tuple[int, int, int, bool, bool, int] | None = None) -> torch.Tensor:
     """rope_kv_write_ then decode_attention in one kernel, for a decode step (the new token of sequence b sits
     at position positions[b] = seq_lens[b] - 1, slot slot_mapping[b]).
 
