@@ -240,14 +240,13 @@ def main() -> int:
     p.add_argument("--pdl", default="off", help="EngineConfig.pdl: off, auto or on")
     p.add_argument("--kv-cache-dtype", default="auto", help="EngineConfig.kv_cache_dtype: auto or fp8")
     p.add_argument("--decode-tile-fp8", default="",
-                   help="replaces decode_attention.TILE_FP8: keys,warps,stages,fp16_dots,widen_v_first,max_regs "
-                        "(e.g. 128,4,2,1,0,128)")
+                   help="replaces decode_attention.TILE_FP8: keys,warps,stages,fp16_dots,max_regs (e.g. 128,4,3,1,128)")
     args = p.parse_args()
     from services.gpu_worker.kernels import decode_attention
 
     if args.decode_tile_fp8:
-        n, w, st, f16, widen, regs = (int(x) for x in args.decode_tile_fp8.split(","))
-        decode_attention.TILE_FP8 = (n, w, st, bool(f16), bool(widen), regs)
+        n, w, st, f16, regs = (int(x) for x in args.decode_tile_fp8.split(","))
+        decode_attention.TILE_FP8 = (n, w, st, bool(f16), regs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     suite = Suite(out, args.time_budget_s)

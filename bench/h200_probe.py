@@ -285,7 +285,7 @@ def w1_mixed_steps(num_requests: int) -> dict:
 
 def fp8_tile_sweep(copy_tbs: float) -> dict:
     """Decode attention with RoPE, 32 layers in one graph, over an FP8 cache by the split kernel's tile (keys per
-    tile, warps, pipeline stages, fp16 dots, V widened first), beside the bf16 cache at three tiles; no model. Each
+    tile, warps, pipeline stages, fp16 dots, register cap), beside the bf16 cache at two tiles; no model. Each
     shape's row names the fastest tile of each cache dtype (best_<dtype>)."""
     from services.gpu_worker.model.rope import inv_frequencies
 
@@ -295,14 +295,11 @@ def fp8_tile_sweep(copy_tbs: float) -> dict:
     shapes = ((64, 1504), (384, 1504))
     num_pages = 1 + 384 * (1504 // PAGE) + 64
     width = 4096 // PAGE
-    # (keys, warps, stages, fp16 dots, widen V first, register cap): decode_attention.py's notes on TILE say why.
-    # The first sweep (h200_probe_20261203_e_fp8tune.json) ran the V-widening grid; this one the register caps.
-    fp8 = [(64, 4, 2, False, False, 0), (128, 4, 2, True, False, 0), (128, 4, 2, True, False, 128),
-           (128, 4, 5, True, False, 0), (128, 4, 5, True, False, 128), (128, 4, 3, True, False, 128),
-           (64, 4, 2, True, False, 128), (64, 4, 5, True, False, 128), (64, 4, 5, True, False, 96),
-           (128, 8, 2, True, False, 0), (128, 8, 5, True, False, 0), (128, 4, 5, True, True, 0)]
-    plans = {"bfloat16": [(64, 4, 2, False, False, 0), (64, 4, 2, False, False, 96), (128, 4, 2, False, False, 0)],
-             "fp8": fp8}
+    # (keys, warps, stages, fp16 dots, register cap or 0): decode_attention.py's notes on TILE say why. Earlier
+    # sweeps (h200_probe_20261203_{e,f}_*.json) also ran a V-widening option, since dropped.
+    fp8 = [(64, 4, 2, False, 0), (64, 4, 2, True, 0), (128, 4, 2, True, 0), (128, 4, 2, True, 128),
+           (128, 4, 3, True, 128), (128, 4, 5, True, 0), (64, 4, 5, True, 128), (128, 8, 2, True, 0)]
+    plans = {"bfloat16": [(64, 4, 2, False, 0), (128, 4, 2, False, 0)], "fp8": fp8}
     res: dict = {}
     for label, tiles in plans.items():
         dtype = torch.bfloat16 if label == "bfloat16" else torch.float8_e4m3fn
@@ -326,7 +323,7 @@ def fp8_tile_sweep(copy_tbs: float) -> dict:
                                                       mb.page_table, mb.seq_lens, splits, tile=tile)
                                 for i in range(cfg.num_layers)]
                     key = (f"{label}_{tile[0]}x{tile[1]}w{tile[2]}s" + ("_f16dot" if tile[3] else "")
-                           + ("_widenv" if tile[4] else "") + (f"_r{tile[5]}" if tile[5] else ""))
+                           + (f"_r{tile[4]}" if tile[4] else ""))
                     try:
                         out0 = attend()[0].float()
                         first = out0 if first is None else first

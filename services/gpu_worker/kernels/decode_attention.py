@@ -27,18 +27,21 @@ from services.gpu_worker.kv_cache import FP8_DTYPES
 
 BLOCK_N = 64
 MAX_SPLITS = 32
-# (keys per tile, warps, pipeline stages, fp16 dots, widen V first, register cap) of the split kernel, by cache dtype; `tile=`
+# (keys per tile, warps, pipeline stages, fp16 dots, register cap or 0) of the split kernel, by cache dtype; `tile=`
 # overrides (the probe's sweep: bench/h200_probe.py --phases fp8tune). fp16 dots: q, the widened K/V tiles and p go
-# into the tensor cores as fp16 instead of q's dtype. e4m3 widens to fp16 exactly, one instruction per pair; a bf16
-# q is exact in fp16 from 2^-14 up, clamped at ±65504; p in [0, 1] keeps 3 more bits than in bf16.
-# Widen V first: an 8-bit V tile is the transposed operand of p·V, and Triton (3.6 and 3.9, sm_90) reads it from
-# shared memory a byte at a time (LDS.U8, then byte permutes); widened in registers before the layout change, it
-# goes through shared memory as 16-bit and ldmatrix.trans reads it. Offline sm_90 compile of the 64-key, 4-warp
-# tile: 679 -> 586 instructions per loop iteration, 202 -> 146 registers (docs/PERFORMANCE.md).
-# NOTE: pipeline stages below 5 give the K/V copies one buffer (the page-table load takes a stage): the copy of
-# tile i+1 is issued after tile i's math and waited for at once; 5 stages double-buffer them.
-TILE = (BLOCK_N, 4, 2, False, False, 0)
-TILE_FP8 = (BLOCK_N, 4, 2, False, False, 0)
+# into the tensor cores as fp16 instead of q's dtype. e4m3 widens to fp16 exactly, one instruction per pair (to bf16
+# it takes three more); a bf16 q is exact in fp16 from 2^-14 up, clamped at ±65504; p in [0, 1] keeps 3 more bits.
+# An FP8 cache moves half the bytes per tile for about the same instructions, so its tile is twice as long: on the
+# H200 at 384 sequences × 1504 keys, 32 layers, 64 keys took 16.4 ms, 128 keys 12.2 ms (copy speed: 9.0 ms).
+# NOTE: below 5 stages the pipeliner gives the K/V copies one buffer (the page-table load takes a stage), so a
+# program's copy of tile i+1 is waited for right after tile i's math; other programs on the SM hide that latency.
+# 5 stages double-buffer them, but cost shared memory, hence programs per SM; they measured no faster at 384
+# sequences. Also measured and dropped: widening V to 16 bits before its layout change (Triton reads an 8-bit
+# transposed operand from shared memory a byte at a time; widened first, it takes fewer instructions and
+# registers but a round trip through shared memory: 30 % slower); a 128-register cap (faster at 64 sequences,
+# slower at 384). docs/PERFORMANCE.md, "Twenty-first to twenty-fourth runs".
+TILE = (BLOCK_N, 4, 2, False, 0)
+TILE_FP8 = (128, 4, 2, True, 0)
 
 
 @triton.jit
@@ -58,7 +61,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, seq_lens_ptr, out_ptr, 
                    stride_knb, stride_knh, stride_vnb, stride_vnh,
                    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, NEW_TOKEN: tl.constexpr,
-                   F16_DOT: tl.constexpr, WIDEN_V_FIRST: tl.constexpr, USE_PDL: tl.constexpr):
+                   F16_DOT: tl.constexpr, USE_PDL: tl.constexpr):
     pdl.wait_for_previous(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -113,8 +116,6 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, seq_lens_ptr, out_ptr, 
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if WIDEN_V_FIRST:  # the multiply by the (all-ones in range) row mask keeps the widening before the layout change
-            v = v * tl.where(n_mask, 1.0, 0.0).to(dot_dtype)[:, None]
         acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), v)
         m_i = m_new
     if NEW_TOKEN:
@@ -188,7 +189,7 @@ def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_toke
         part = lse = out
     k_new, v_new, positions, inv_freq, slots = new_token or (q, q, q, q, q)
     tile = tile or (TILE_FP8 if k_cache.dtype in FP8_DTYPES else TILE)
-    block_n, num_warps, num_stages, f16_dot, widen_v, max_regs = tile
+    block_n, num_warps, num_stages, f16_dot, max_regs = tile
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, page_table, seq_lens, out, part, lse,
         k_new, v_new, positions, inv_freq, slots, 1.0 / math.sqrt(head_dim),
@@ -196,7 +197,6 @@ def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_toke
         out.stride(0), out.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, NEW_TOKEN=new_token is not None, F16_DOT=f16_dot,
-        WIDEN_V_FIRST=widen_v,
         num_warps=num_warps, num_stages=num_stages, **({"maxnreg": max_regs} if max_regs else {}),
         **pdl.launch_options())
     if num_splits > 1:
@@ -208,11 +208,11 @@ def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_toke
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                      seq_lens: torch.Tensor, num_splits: int, out: torch.Tensor | None = None,
-                     tile: tuple[int, int, int, bool, bool, int] | None = None) -> torch.Tensor:
+                     tile: tuple[int, int, int, bool, int] | None = None) -> torch.Tensor:
     """q: [B, H, D]; k_cache, v_cache: [P, S, KVH, D]; page_table: [B, max_pages] int32; seq_lens: [B] (≥ 1).
 
     Returns out [B, H, D]: softmax(q·Kᵀ/√D)·V over each sequence's keys [0, seq_len). tile: (keys per tile,
-    warps, stages, fp16 dots, widen V first, register cap or 0) of the split kernel; None: TILE, or TILE_FP8 for
+    warps, stages, fp16 dots, register cap or 0) of the split kernel; None: TILE, or TILE_FP8 for
     an FP8 cache.
     """
     return _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, None, tile)
@@ -222,7 +222,7 @@ def decode_attention_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos
                           inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           slot_mapping: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
                           num_splits: int, out: torch.Tensor | None = None,
-                          tile: tuple[int, int, int, bool, bool, int] | None = None) -> torch.Tensor:
+                          tile: tuple[int, int, int, bool, int] | None = None) -> torch.Tensor:
     """rope_kv_write_ then decode_attention in one kernel, for a decode step (the new token of sequence b sits
     at position positions[b] = seq_lens[b] - 1, slot slot_mapping[b]).
 
