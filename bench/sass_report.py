@@ -1,0 +1,120 @@
+"""What the decode split kernel compiles to on an H100/H200 (sm_90), on a machine without a GPU.
+
+Triton compiles for a named target without a device; its wheel ships ptxas, cuobjdump and nvdisasm. For each tile
+this prints the registers per thread, the stack (spills), the shared memory, the K/V copy buffers the pipeliner
+made, and the instructions of the key loop by opcode: the figures that explained the FP8 cache's sweeps
+(docs/PERFORMANCE.md, "Twenty-first to twenty-third runs"). The GPU's timings decide; this says why.
+
+    python -m bench.sass_report                               # the default tiles, FP8 and bf16 caches
+    python -m bench.sass_report --tiles 128,4,2,1,0 64,4,5,1,128 --cache fp8e4nv
+
+NOTE: run it with TRITON_INTERPRET unset: the interpreter's kernels do not compile. The integer arguments are declared divisible by 16, as Triton's launcher specializes them at run time;
+without that the copies are not vectorized and the pipeliner leaves them alone. The figures are this Triton's
+(the H200 image has 3.6).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from services.gpu_worker.kernels import decode_attention
+
+_POINTERS = {"q_ptr": "bf16", "table_ptr": "i32", "seq_lens_ptr": "i32", "out_ptr": "bf16", "part_ptr": "fp32",
+             "lse_ptr": "fp32", "kn_ptr": "bf16", "vn_ptr": "bf16", "pos_ptr": "i64", "inv_freq_ptr": "fp32",
+             "slot_ptr": "i64"}
+
+
+def compile_tile(tile: tuple, cache: str = "fp8e4nv", new_token: bool = True, num_splits: int = 1):
+    """The split kernel for Llama-3.1-8B's heads (4 query heads per KV head, head_dim 128, page 16)."""
+    block_n, warps, stages, f16_dot, max_regs = tile
+    kernel = decode_attention._decode_split_kernel
+    names = kernel.arg_names
+    const = {"GROUP": 4, "BLOCK_H": 16, "HEAD_DIM": 128, "PAGE_SIZE": 16, "BLOCK_N": block_n,
+             "NUM_SPLITS": num_splits, "NEW_TOKEN": new_token, "F16_DOT": bool(f16_dot), "USE_PDL": False}
+    pointers = {**_POINTERS, "k_ptr": cache, "v_ptr": cache}
+    signature = {n: "constexpr" if n in const else "*" + pointers[n] if n in pointers
+                 else "fp32" if n == "sm_scale" else "i32" for n in names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in pointers or n.startswith("stride")}
+    src = ASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=aligned)
+    options = {"num_warps": warps, "num_stages": stages, **({"maxnreg": max_regs} if max_regs else {})}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def _tool(name: str) -> str:
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def loop_opcodes(sass: str) -> collections.Counter:
+    """Opcodes of the longest backward-branching loop (the key loop), predicates and modifiers stripped."""
+    labels: dict[str, int] = {}
+    seq: list[str] = []
+    for line in sass.splitlines():
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = len(seq)
+            continue
+        ins = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
+        if ins:
+            seq.append(ins.group(1))
+    loops = [(labels[m.group(1)], i) for i, t in enumerate(seq)
+             if (m := re.search(r"BRA.*?(\.L_x_\d+)", t)) and labels.get(m.group(1), len(seq)) < i]
+    if not loops:
+        return collections.Counter()
+    start, end = max(loops, key=lambda ab: ab[1] - ab[0])
+    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in seq[start:end + 1])
+
+
+def report(tile: tuple, cache: str = "fp8e4nv") -> dict:
+    compiled = compile_tile(tile, cache)
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True,
+                               check=True).stdout
+        sass = subprocess.run([_tool("nvdisasm"), "-c", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout
+    regs = re.search(r"REG:(\d+)", usage)
+    stack = re.search(r"STACK:(\d+)", usage)
+    buffers = re.findall(r"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x\d+x\d+x", compiled.asm["ttgir"])
+    ops = loop_opcodes(sass)
+    return {"tile": list(tile), "cache": cache, "registers": int(regs.group(1)) if regs else None,
+            "stack_bytes": int(stack.group(1)) if stack else None, "shared_bytes": compiled.metadata.shared,
+            "kv_copy_buffers": max((int(b) for b in buffers), default=0),
+            "loop_instructions": sum(ops.values()), "loop_opcodes": dict(ops.most_common())}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiles", nargs="*", help="keys,warps,stages,fp16_dots,max_regs each; default: the sweep's")
+    p.add_argument("--cache", default="", help="fp8e4nv or bf16; default: both")
+    p.add_argument("--json", action="store_true", help="one JSON object a line")
+    args = p.parse_args()
+    plan = {"fp8e4nv": [decode_attention.TILE_FP8, (64, 4, 2, 0, 0), (64, 4, 2, 1, 0), (64, 4, 5, 1, 0),
+                        (128, 4, 2, 1, 128)], "bf16": [decode_attention.TILE, (64, 4, 5, 0, 0)]}
+    if args.tiles:
+        plan = {cache: [tuple(int(x) for x in t.split(",")) for t in args.tiles] for cache in plan}
+    for cache, tiles in plan.items():
+        if args.cache and cache != args.cache:
+            continue
+        for tile in tiles:
+            r = report(tile, cache)
+            if args.json:
+                print(json.dumps(r), flush=True)
+                continue
+            print(f"{cache:8} {str(tuple(tile)):24} regs {r['registers']:>3}  stack {r['stack_bytes']:>3}  "
+                  f"shared {r['shared_bytes']:>6}  buffers {r['kv_copy_buffers']}  loop {r['loop_instructions']:>5}  "
+                  + ", ".join(f"{k} {v}" for k, v in list(r["loop_opcodes"].items())[:12]), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
