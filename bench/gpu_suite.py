@@ -234,6 +234,9 @@ def main() -> int:
     p.add_argument("--w1-requests", type=int, default=1000)
     p.add_argument("--w1-max-seqs", default="256",
                    help="max_num_seqs of W1; a comma-separated list runs W1 once per value, in turn, on one engine")
+    p.add_argument("--w1-warmup-requests", type=int, default=0,
+                   help="untimed W1-shaped requests (1000 → 8 tokens) before W1, at its largest max_num_seqs: a "
+                        "first W1 on an engine spent 1.5-3.7 s more in its steps with prefill (docs/PERFORMANCE.md)")
     p.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens")
     p.add_argument("--peer-repeats", type=int, default=2, help="timed transformers generate() runs (median)")
     p.add_argument("--graph-staging", default="stream", help="EngineConfig.cuda_graph_staging")
@@ -314,6 +317,10 @@ def main() -> int:
     engine.is_overlapped = True
     deadline = suite.start + args.time_budget_s
     w1_prompts = prompts_for(args.w1_requests, 1000, vocab, 2)
+    if args.w1_warmup_requests:
+        engine.policy.max_num_seqs = max(w1_seqs)
+        warm = run_timed(engine, prompts_for(args.w1_warmup_requests, 1000, vocab, 3), 8)
+        suite.save("w1_warmup", {"requests": args.w1_warmup_requests, "seconds": round(warm["seconds"], 2)})
     for max_seqs in w1_seqs:
         engine.policy.max_num_seqs = max_seqs
         preempted = engine.policy.num_preemptions

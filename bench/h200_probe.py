@@ -283,7 +283,7 @@ def w1_mixed_steps(num_requests: int) -> dict:
     return res
 
 
-def fp8_tile_sweep(copy_tbs: float) -> dict:
+def fp8_tile_sweep(copy_tbs: float, shapes: tuple = ((64, 1504), (384, 1504)), fp8: list | None = None) -> dict:
     """Decode attention with RoPE, 32 layers in one graph, over an FP8 cache by the split kernel's tile (keys per
     tile, warps, pipeline stages, fp16 dots, register cap), beside the bf16 cache at two tiles; no model. Each
     shape's row names the fastest tile of each cache dtype (best_<dtype>)."""
@@ -292,13 +292,12 @@ def fp8_tile_sweep(copy_tbs: float) -> dict:
     cfg = preset("llama3-8b")
     inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).float().cuda()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    shapes = ((64, 1504), (384, 1504))
-    num_pages = 1 + 384 * (1504 // PAGE) + 64
+    num_pages = 1 + max(b * -(-ctx // PAGE) for b, ctx in shapes) + 64
     width = 4096 // PAGE
     # (keys, warps, stages, fp16 dots, register cap or 0): decode_attention.py's notes on TILE say why. Earlier
     # sweeps (h200_probe_20261203_{e,f}_*.json) also ran a V-widening option, since dropped.
-    fp8 = [(64, 4, 2, False, 0), (64, 4, 2, True, 0), (128, 4, 2, True, 0), (128, 4, 2, True, 128),
-           (128, 4, 3, True, 128), (128, 4, 5, True, 0), (64, 4, 5, True, 128), (128, 8, 2, True, 0)]
+    fp8 = fp8 or [(64, 4, 2, False, 0), (64, 4, 2, True, 0), (128, 4, 2, True, 0), (128, 4, 2, True, 128),
+                  (128, 4, 3, True, 128), (128, 4, 5, True, 0), (64, 4, 5, True, 128), (128, 8, 2, True, 0)]
     plans = {"bfloat16": [(64, 4, 2, False, 0), (128, 4, 2, False, 0)], "fp8": fp8}
     res: dict = {}
     for label, tiles in plans.items():
@@ -436,6 +435,9 @@ def main() -> int:
     p.add_argument("--phases", default="gemv,batch1,splits,micro,engine,mixed",
                    help="comma-separated; also gemv_split, argmax, splitk, norm, pdl, fp8kv, fp8tune")
     p.add_argument("--mixed-requests", type=int, default=1000, help="W1 requests for the mixed-steps phase")
+    p.add_argument("--fp8tune-shapes", default="64x1504,384x1504", help="fp8tune: batch x context, comma-separated")
+    p.add_argument("--fp8tune-tiles", default="",
+                   help="fp8tune: FP8 tiles keys,warps,stages,fp16_dots,max_regs separated by ';' (default: the grid)")
     args = p.parse_args()
     phases = set(args.phases.split(","))
     out = Path(args.out)
@@ -463,7 +465,10 @@ def main() -> int:
         save("argmax", argmax_table())
 
     if "fp8tune" in phases:
-        save("fp8_tile_sweep", fp8_tile_sweep(copy_tbs))
+        shapes = tuple(tuple(int(x) for x in shape.split("x")) for shape in args.fp8tune_shapes.split(","))
+        tiles = [(n, w, st, bool(f16), regs) for n, w, st, f16, regs in
+                 (map(int, t.split(",")) for t in args.fp8tune_tiles.split(";") if t)]
+        save("fp8_tile_sweep", fp8_tile_sweep(copy_tbs, shapes, tiles or None))
         torch.cuda.empty_cache()
     if "engine" in phases:
         save("engine_batch1_profile", engine_batch1(out))

@@ -39,7 +39,7 @@ MAX_SPLITS = 32
 # sequences. Also measured and dropped: widening V to 16 bits before its layout change (Triton reads an 8-bit
 # transposed operand from shared memory a byte at a time; widened first, it takes fewer instructions and
 # registers but a round trip through shared memory: 30 % slower); a 128-register cap (faster at 64 sequences,
-# slower at 384). docs/PERFORMANCE.md, "Twenty-first to twenty-fourth runs".
+# slower at 384). docs/PERFORMANCE.md, "Twenty-first to twenty-third runs".
 TILE = (BLOCK_N, 4, 2, False, 0)
 TILE_FP8 = (128, 4, 2, True, 0)
 
