@@ -248,8 +248,7 @@ def main() -> int:
     from services.gpu_worker.kernels import decode_attention
 
     if args.decode_tile_fp8:
-        n, w, st, f16, regs = (int(x) for x in args.decode_tile_fp8.split(","))
-        decode_attention.TILE_FP8 = (n, w, st, bool(f16), regs)
+        decode_attention.TILE_FP8 = decode_attention.parse_tile(args.decode_tile_fp8)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     suite = Suite(out, args.time_budget_s)

@@ -42,7 +42,8 @@ from bench.gpu_suite import make_engine, prompts_for, run_timed, time_gpu
 from services.gpu_worker.attention.base import AttentionMetadata
 from services.gpu_worker.attention.triton_backend import TritonAttention
 from services.gpu_worker.kernels import pdl
-from services.gpu_worker.kernels.decode_attention import decode_attention, decode_attention_rope, num_splits_for
+from services.gpu_worker.kernels.decode_attention import (decode_attention, decode_attention_rope, num_splits_for,
+                                                           parse_tile)
 from services.gpu_worker.kernels.rms_norm import rms_norm
 from services.gpu_worker.kernels.rope_kv_write import rope_kv_write_
 from services.gpu_worker.kernels.silu_mul import silu_mul
@@ -466,8 +467,7 @@ def main() -> int:
 
     if "fp8tune" in phases:
         shapes = tuple(tuple(int(x) for x in shape.split("x")) for shape in args.fp8tune_shapes.split(","))
-        tiles = [(n, w, st, bool(f16), regs) for n, w, st, f16, regs in
-                 (map(int, t.split(",")) for t in args.fp8tune_tiles.split(";") if t)]
+        tiles = [parse_tile(t) for t in args.fp8tune_tiles.split(";") if t]
         save("fp8_tile_sweep", fp8_tile_sweep(copy_tbs, shapes, tiles or None))
         torch.cuda.empty_cache()
     if "engine" in phases:

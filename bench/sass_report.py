@@ -8,9 +8,9 @@ made, and the instructions of the key loop by opcode: the figures that explained
     python -m bench.sass_report                               # the default tiles, FP8 and bf16 caches
     python -m bench.sass_report --tiles 128,4,2,1,0 64,4,5,1,128 --cache fp8e4nv
 
-NOTE: run it with TRITON_INTERPRET unset: the interpreter's kernels do not compile. The integer arguments are declared divisible by 16, as Triton's launcher specializes them at run time;
-without that the copies are not vectorized and the pipeliner leaves them alone. The figures are this Triton's
-(the H200 image has 3.6).
+NOTE: run it with TRITON_INTERPRET unset: the interpreter's kernels do not compile. The integer arguments are
+declared divisible by 16, as Triton's launcher specializes them at run time; without that the copies are not
+vectorized and the pipeliner leaves them alone. The figures are this Triton's (the H200 image has 3.6).
 """
 from __future__ import annotations
 
@@ -98,10 +98,10 @@ def main() -> int:
     p.add_argument("--cache", default="", help="fp8e4nv or bf16; default: both")
     p.add_argument("--json", action="store_true", help="one JSON object a line")
     args = p.parse_args()
-    plan = {"fp8e4nv": [decode_attention.TILE_FP8, (64, 4, 2, 0, 0), (64, 4, 2, 1, 0), (64, 4, 5, 1, 0),
-                        (128, 4, 2, 1, 128)], "bf16": [decode_attention.TILE, (64, 4, 5, 0, 0)]}
+    plan = {"fp8e4nv": [decode_attention.TILE_FP8, (64, 4, 2, False, 0), (64, 4, 2, True, 0), (64, 4, 5, True, 0),
+                        (128, 4, 2, True, 128)], "bf16": [decode_attention.TILE, (64, 4, 5, False, 0)]}
     if args.tiles:
-        plan = {cache: [tuple(int(x) for x in t.split(",")) for t in args.tiles] for cache in plan}
+        plan = {cache: [decode_attention.parse_tile(t) for t in args.tiles] for cache in plan}
     for cache, tiles in plan.items():
         if args.cache and cache != args.cache:
             continue

@@ -44,6 +44,12 @@ TILE = (BLOCK_N, 4, 2, False, 0)
 TILE_FP8 = (128, 4, 2, True, 0)
 
 
+def parse_tile(text: str) -> tuple[int, int, int, bool, int]:
+    """A tile from "keys,warps,stages,fp16_dots,max_regs" (fp16_dots 0 or 1), as the benchmarks' flags give it."""
+    block_n, warps, stages, f16_dot, max_regs = (int(x) for x in text.split(","))
+    return block_n, warps, stages, bool(f16_dot), max_regs
+
+
 @triton.jit
 def _rotate_row(x_ptrs, partner_ptrs, cos, sin, is_first_half, mask):
     """RoPE (rotate-half) of rows of D loaded whole: x1·cos − x2·sin | x2·cos + x1·sin, fp32.
