@@ -10,6 +10,7 @@ from services.gpu_worker.kernels.decode_attention import decode_attention, decod
 from services.gpu_worker.kernels.extend_attention import extend_attention, extend_attention_ref
 from services.gpu_worker.kernels.rope import rope_ref
 from services.gpu_worker.kernels.rope_kv_write import rope_kv_write_
+from services.gpu_worker.kv_cache import v_rows
 from services.gpu_worker.model.loader import load_model
 from tests.kernels.helpers import DEVICE, gpu_only, randn, random_paged_cache, rel_err
 from tests.kernels.test_triton_engine import _assert_same_greedy, _generate, _prompts
@@ -31,7 +32,29 @@ def test_decode_reads_the_fp8_cache_as_its_dequantized_values(num_splits, tile):
     k, v, table, lens = _caches([5, 37, 130], 2, 16, 4, gen)
     q = randn((3, 4, 16), gen, torch.float32, DEVICE)
     out = decode_attention(q, k, v, table, lens, num_splits, tile=tile)
-    assert rel_err(out, decode_attention_ref(q, k.float(), v.float(), table, lens)) < 2e-3
+    assert rel_err(out, decode_attention_ref(q, k.float(), v_rows(v).float(), table, lens)) < 2e-3
+
+
+def test_a_stale_nan_beside_the_last_key_stays_out():
+    """V in key pairs: a sequence of odd length loads its last key's word, whose other byte is the next slot, maybe
+    stale (a freed page's old bytes, even a NaN). It must not reach the output (0 · NaN is NaN)."""
+    gen = torch.Generator().manual_seed(11)
+    k, v, table, lens = _caches([5, 37, 6], 2, 16, 4, gen)
+    pairs = v.view(torch.uint8).view(-1, 2, 2, 16, 2)  # pages of 4 slots: [P, 2 pair rows, KVH, D, 2 keys]
+    for b, seq_len in enumerate(lens.tolist()):
+        if seq_len % 2:  # the slot after the last key is the odd byte of the last key's word
+            pairs[int(table[b, seq_len // 4]), (seq_len % 4) // 2, :, :, 1] = 0x7F  # e4m3's NaN
+    assert bool(v_rows(v).float().isnan().any())
+    q = randn((3, 4, 16), gen, torch.float32, DEVICE)
+    ref = decode_attention_ref(q, k.float(), v_rows(v).float(), table, lens)
+    for num_splits in (1, 4):
+        out = decode_attention(q, k, v, table, lens, num_splits)
+        assert bool(out.isfinite().all()) and rel_err(out, ref) < 2e-3
+    query_start = torch.tensor([0, 2, 5, 6], dtype=torch.int32, device=DEVICE)
+    qe = randn((6, 4, 16), gen, torch.float32, DEVICE)
+    out = extend_attention(qe, k, v, query_start, lens, table, 3, 16, 16)
+    assert bool(out.isfinite().all())
+    assert rel_err(out, extend_attention_ref(qe, k.float(), v_rows(v).float(), query_start, lens, table)) < 2e-3
 
 
 def test_extend_reads_the_fp8_cache_as_its_dequantized_values():
@@ -40,7 +63,7 @@ def test_extend_reads_the_fp8_cache_as_its_dequantized_values():
     query_start = torch.tensor([0, 5, 14, 15], dtype=torch.int32, device=DEVICE)
     q = randn((15, 4, 16), gen, torch.float32, DEVICE)
     out = extend_attention(q, k, v, query_start, lens, table, 9, 16, 16)
-    assert rel_err(out, extend_attention_ref(q, k.float(), v.float(), query_start, lens, table)) < 2e-3
+    assert rel_err(out, extend_attention_ref(q, k.float(), v_rows(v).float(), query_start, lens, table)) < 2e-3
 
 
 def _decode_step(dtype, seed):
@@ -73,13 +96,13 @@ def test_writes_store_torchs_fp8_cast_and_the_fused_decode_attends_to_it():
     k2, v2, q2 = k_cache.clone(), v_cache.clone(), q.clone()
     rope_kv_write_(q2, k, v, positions, inv_freq, k2, v2, slots.to(torch.int32))
     _assert_torchs_cast(k2.view(-1, 2, 16)[slots], rk.to(FP8))
-    _assert_torchs_cast(v2.view(-1, 2, 16)[slots], v.to(FP8))
+    _assert_torchs_cast(v_rows(v2).view(-1, 2, 16)[slots], v.to(FP8))
     untouched = torch.ones(k2.view(-1, 2, 16).shape[0], dtype=torch.bool, device=DEVICE)
     untouched[slots] = False
     before = k_cache.view(-1, 2, 16)[untouched].view(torch.uint8)
     assert torch.equal(k2.view(-1, 2, 16)[untouched].view(torch.uint8), before)
 
-    ref = decode_attention_ref(rq, k2.float(), v2.float(), table, lens)
+    ref = decode_attention_ref(rq, k2.float(), v_rows(v2).float(), table, lens)
     for tile in (None, (64, 4, 2, False, 0), (64, 4, 5, True, 128)):  # the default; q's dtype; other tiles
         kc, vc = k_cache.clone(), v_cache.clone()
         out = decode_attention_rope(q, k, v, positions, inv_freq, kc, vc, slots.to(torch.int32), table, lens, 4,
@@ -97,7 +120,7 @@ def test_fp8_cache_llama8b_shapes(num_splits):
     seq_lens = [1, 17, 700, 2048]
     k, v, table, lens = _caches(seq_lens, 8, 128, 16, gen)
     q = randn((4, 32, 128), gen, torch.bfloat16, DEVICE)
-    ref = decode_attention_ref(q, k.float(), v.float(), table, lens)
+    ref = decode_attention_ref(q, k.float(), v_rows(v).float(), table, lens)
     # the default; other tiles (one and two buffers, a register cap, q's dtype)
     for tile in (None, (64, 4, 2, True, 0), (128, 8, 3, True, 0), (128, 4, 3, True, 128), (128, 4, 5, True, 0),
                  (32, 4, 5, False, 0)):
@@ -105,7 +128,7 @@ def test_fp8_cache_llama8b_shapes(num_splits):
     query_start = torch.tensor([0, 1, 18, 118, 630], dtype=torch.int32, device=DEVICE)
     qe = randn((630, 32, 128), gen, torch.bfloat16, DEVICE)
     out = extend_attention(qe, k, v, query_start, lens, table, 512)
-    assert rel_err(out, extend_attention_ref(qe, k.float(), v.float(), query_start, lens, table)) < 1e-2
+    assert rel_err(out, extend_attention_ref(qe, k.float(), v_rows(v).float(), query_start, lens, table)) < 1e-2
 
 
 @pytest.mark.gpu

@@ -12,7 +12,7 @@ import torch
 
 from services.gpu_worker.engine import Engine
 from services.gpu_worker.engine_config import EngineConfig
-from services.gpu_worker.kv_cache import KVCache
+from services.gpu_worker.kv_cache import KVCache, v_pairs_of, v_rows
 from services.gpu_worker.kv_transfer.export import export_pool
 from services.gpu_worker.kv_transfer.shm import ShmPuller
 from services.gpu_worker.kv_transfer.stream import _from_raw, _raw
@@ -59,7 +59,10 @@ def test_cache_writes_torchs_cast_and_copies_pages_bytewise():
     slots = torch.tensor([4, 5, 13])
     kv.write(1, slots, k, v)
     assert torch.equal(kv.k[1].view(-1, 2, 8)[slots].view(torch.uint8), k.to(FP8).view(torch.uint8))
-    assert torch.equal(kv.v[1].view(-1, 2, 8)[slots].view(torch.uint8), v.to(FP8).view(torch.uint8))
+    assert torch.equal(v_rows(kv.v[1]).view(-1, 2, 8)[slots].view(torch.uint8), v.to(FP8).view(torch.uint8))
+    # V in key pairs: slot 13 (page 13 // PAGE, offset 13 % PAGE) is the high byte of its pair row
+    pairs = kv.v[1].view(torch.uint8).view(6, PAGE // 2, 2, 8, 2)
+    assert torch.equal(pairs[13 // PAGE, (13 % PAGE) // 2, :, :, 1], v[2].to(FP8).view(torch.uint8))
     kv.copy_pages([1, 3], [4, 5])
     assert torch.equal(kv.k[:, 4:6].view(torch.uint8), kv.k[:, [1, 3]].view(torch.uint8))
     assert KVCache.bytes_per_page(2, PAGE, 2, 8, FP8) * 2 == KVCache.bytes_per_page(2, PAGE, 2, 8, torch.bfloat16)
@@ -111,3 +114,15 @@ def test_worker_flag_reaches_the_engine_config_and_a_bad_value_is_refused():
     assert WorkerConfig(kv_cache_dtype="fp8").engine_config().resolved_kv_dtype() == FP8
     with pytest.raises(ValueError, match="kv_cache_dtype must be auto or fp8"):
         WorkerConfig(kv_cache_dtype="int4")
+
+
+def test_v_key_pairs_round_trip_and_need_an_even_page():
+    rows = (torch.randn(3, 2, 6, 2, 4) * 10).to(FP8)  # [L, P, S, KVH, D]
+    pairs = v_pairs_of(rows)
+    assert torch.equal(v_rows(pairs).view(torch.uint8), rows.view(torch.uint8))
+    assert torch.equal(pairs.view(torch.uint8).view(3, 2, 3, 2, 4, 2)[2, 1, 2, :, :, 1],
+                       rows.view(torch.uint8)[2, 1, 5])  # key 5: pair 2, odd byte
+    wide = rows.float()
+    assert v_rows(wide) is wide and v_pairs_of(wide) is wide  # not FP8: rows, as it is
+    with pytest.raises(ValueError, match="even"):
+        KVCache(1, 2, 5, 2, 4, FP8, "cpu")

@@ -1,13 +1,14 @@
 """The torch reference attention over the paged KV cache: correct on any device, the CPU path.
 
-A cache of another dtype than q's (FP8) is converted to q's dtype as it is gathered."""
+A cache of another dtype than q's (FP8) is converted to q's dtype as it is gathered (an FP8 V cache's key pairs
+back to rows: kv_cache.py)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
 from services.gpu_worker.attention.base import AttentionBackend, AttentionMetadata
-from services.gpu_worker.kv_cache import KVCache, raw
+from services.gpu_worker.kv_cache import KVCache, raw, v_rows
 
 
 class TorchAttention(AttentionBackend):
@@ -28,7 +29,7 @@ class TorchAttention(AttentionBackend):
         num_pages = -(-meta.max_seq_len // cache.page_size)
         pages = meta.page_table[:, :num_pages].long()  # [B, P]
         k = _gather(cache.k[layer], pages, num_heads, q.dtype)  # [B, H, P*S, D]
-        v = _gather(cache.v[layer], pages, num_heads, q.dtype)
+        v = _gather(cache.v[layer], pages, num_heads, q.dtype, is_v=True)
         key_pos = torch.arange(k.shape[2], device=q.device)
         mask = key_pos[None, :] < meta.seq_lens[:, None]  # [B, P*S]
         out = F.scaled_dot_product_attention(
@@ -45,7 +46,7 @@ class TorchAttention(AttentionBackend):
             num_pages = -(-seq_len // cache.page_size)
             pages = meta.page_table[i : i + 1, :num_pages].long()  # [1, P]
             k = _gather(cache.k[layer], pages, num_heads, q.dtype)[:, :, :seq_len]  # [1, H, L, D]
-            v = _gather(cache.v[layer], pages, num_heads, q.dtype)[:, :, :seq_len]
+            v = _gather(cache.v[layer], pages, num_heads, q.dtype, is_v=True)[:, :, :seq_len]
             num_new = end - start
             q_pos = torch.arange(seq_len - num_new, seq_len, device=q.device)
             mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [n, L]
@@ -55,11 +56,13 @@ class TorchAttention(AttentionBackend):
         return out
 
 
-def _gather(pages_kv: torch.Tensor, pages: torch.Tensor, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
+def _gather(pages_kv: torch.Tensor, pages: torch.Tensor, num_heads: int, dtype: torch.dtype,
+            is_v: bool = False) -> torch.Tensor:
     """pages_kv: [P_all, S, KVH, D], pages: [B, P] → [B, H, P*S, D] in dtype, KV heads repeated for GQA."""
     num_seqs, num_pages = pages.shape
     _, page_size, num_kv_heads, head_dim = pages_kv.shape
-    kv = raw(pages_kv)[pages].view(pages_kv.dtype).to(dtype)
+    kv = raw(pages_kv)[pages].view(pages_kv.dtype)
+    kv = (v_rows(kv) if is_v else kv).to(dtype)
     kv = kv.reshape(num_seqs, num_pages * page_size, num_kv_heads, head_dim)
     kv = kv.transpose(1, 2)  # [B, KVH, L, D]
     return kv.repeat_interleave(num_heads // num_kv_heads, dim=1)

@@ -17,13 +17,14 @@ slower than the parallel reduce kernel (bench/results/h200_probe_20261202_b.json
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-from services.gpu_worker.kernels import pdl
-from services.gpu_worker.kv_cache import FP8_DTYPES
+from services.gpu_worker.kernels import pdl, v_pairs
+from services.gpu_worker.kv_cache import FP8_DTYPES, is_v_pairs
 
 BLOCK_N = 64
 MAX_SPLITS = 32
@@ -40,14 +41,27 @@ MAX_SPLITS = 32
 # transposed operand from shared memory a byte at a time; widened first, it takes fewer instructions and
 # registers but a round trip through shared memory: 30 % slower); a 128-register cap (faster at 64 sequences,
 # slower at 384). docs/PERFORMANCE.md, "Twenty-first to twenty-third runs".
-TILE = (BLOCK_N, 4, 2, False, 0)
-TILE_FP8 = (128, 4, 2, True, 0)
+# The sixth field, for an FP8 cache in key pairs with fp16 dots: unpack V's words with v_pairs._UNPACK_PTX instead
+# of Triton's conversion (fewer instructions; on the GPU only: under the interpreter it falls back).
+TILE = (BLOCK_N, 4, 2, False, 0, False)
+TILE_FP8 = (128, 4, 2, True, 0, False)
 
 
-def parse_tile(text: str) -> tuple[int, int, int, bool, int]:
-    """A tile from "keys,warps,stages,fp16_dots,max_regs" (fp16_dots 0 or 1), as the benchmarks' flags give it."""
-    block_n, warps, stages, f16_dot, max_regs = (int(x) for x in text.split(","))
-    return block_n, warps, stages, bool(f16_dot), max_regs
+def parse_tile(text: str) -> tuple[int, int, int, bool, int, bool]:
+    """A tile from "keys,warps,stages,fp16_dots,max_regs[,asm_unpack]" (flags 0 or 1), as the benchmarks' flags
+    give it."""
+    fields = [int(x) for x in text.split(",")]
+    if len(fields) not in (5, 6):
+        raise ValueError(f"a tile is keys,warps,stages,fp16_dots,max_regs[,asm_unpack], not {text!r}")
+    block_n, warps, stages, f16_dot, max_regs, asm = fields + [0] * (6 - len(fields))
+    return block_n, warps, stages, bool(f16_dot), max_regs, bool(asm)
+
+
+def tile_name(tile: tuple) -> str:
+    """A short label of a tile for the benchmarks' records, e.g. 128x4w2s_f16dot_r128_asm."""
+    block_n, warps, stages, f16_dot, max_regs, asm = tuple(tile) + (False,) * (6 - len(tile))
+    return (f"{block_n}x{warps}w{stages}s" + ("_f16dot" if f16_dot else "") + (f"_r{max_regs}" if max_regs else "")
+            + ("_asm" if asm else ""))
 
 
 @triton.jit
@@ -61,13 +75,28 @@ def _rotate_row(x_ptrs, partner_ptrs, cos, sin, is_first_half, mask):
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, seq_lens_ptr, out_ptr, part_ptr, lse_ptr,
+def attend_one(q, k_row, v_row, qk_scale, valid, m_i, l_i, acc, P_DTYPE: tl.constexpr):
+    """The online softmax's update by one key (k_row, v_row [D]) if `valid`, on CUDA cores; p rounded to P_DTYPE
+    as the loop's p is. Returns (m_i, l_i, acc)."""
+    s = tl.sum(q.to(tl.float32) * k_row.to(tl.float32)[None, :], axis=1) * qk_scale  # [BLOCK_H]
+    s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m_i, s)
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # an empty split without the key stays empty
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref)
+    l_i = l_i * alpha + p
+    p = p.to(P_DTYPE).to(tl.float32)
+    return m_new, l_i, acc * alpha[:, None] + p[:, None] * v_row.to(tl.float32)[None, :]
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, k_ptr, v_ptr, vw_ptr, table_ptr, seq_lens_ptr, out_ptr, part_ptr, lse_ptr,
                    kn_ptr, vn_ptr, pos_ptr, inv_freq_ptr, slot_ptr,
                    sm_scale, stride_qb, stride_qh, stride_cs, stride_ch, stride_tb, stride_ob, stride_oh,
                    stride_knb, stride_knh, stride_vnb, stride_vnh,
                    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, NEW_TOKEN: tl.constexpr,
-                   F16_DOT: tl.constexpr, USE_PDL: tl.constexpr):
+                   F16_DOT: tl.constexpr, V_PAIRS: tl.constexpr, V_ASM: tl.constexpr, USE_PDL: tl.constexpr):
     pdl.wait_for_previous(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -107,43 +136,53 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, seq_lens_ptr, out_ptr, 
     qk_scale = sm_scale * 1.4426950408889634  # log2(e): exp2 below
     kv_end = tl.minimum(end, cache_end)
     dot_dtype: tl.constexpr = tl.float16 if F16_DOT else q_ptr.dtype.element_ty
-    for n0 in range(start, kv_end, BLOCK_N):
+    # V in key pairs: the loop stops at an even key, and an odd last key is attended to on its own below
+    # (v_pairs.load_pairs says why); splits start at multiples of BLOCK_N, even
+    loop_end = kv_end - kv_end % 2 if V_PAIRS else kv_end
+    for n0 in range(start, loop_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < kv_end
+        n_mask = offs_n < loop_end
         page = tl.load(table_ptr + b * stride_tb + offs_n // PAGE_SIZE, mask=n_mask, other=0)
         slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
         kv_off = slot[:, None] * stride_cs + kvh * stride_ch + offs_d[None, :]  # [BLOCK_N, D]
         # NOTE: an FP8 cache is widened to q's dtype here (a no-op for a cache of q's dtype), or to fp16
         k = tl.load(k_ptr + kv_off, mask=n_mask[:, None], other=0.0).to(dot_dtype)
-        v = tl.load(v_ptr + kv_off, mask=n_mask[:, None], other=0.0).to(dot_dtype)
+        if V_PAIRS:  # V's even and odd keys [BLOCK_N / 2, D] (v_pairs.py)
+            v_lo, v_hi = v_pairs.unpack(v_pairs.load_pairs(vw_ptr, table_ptr + b * stride_tb, kvh * stride_ch, offs_d,
+                                                           n0, loop_end, stride_cs, PAGE_SIZE, BLOCK_N // 2),
+                                        dot_dtype, V_ASM)
+        else:
+            v = tl.load(v_ptr + kv_off, mask=n_mask[:, None], other=0.0).to(dot_dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_H, BLOCK_N] fp32, log2 units
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), v)
+        if V_PAIRS:
+            pv = v_pairs.dot_pairs(p.to(dot_dtype), v_lo, v_hi, BLOCK_H, BLOCK_N // 2)
+        else:
+            pv = tl.dot(p.to(dot_dtype), v)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
+    if V_PAIRS:
+        last = loop_end  # kv_end - 1 where kv_end is odd
+        has_last = (kv_end % 2 == 1) & (last >= start)
+        row_mask = tl.where(has_last, offs_d < HEAD_DIM, False)
+        last_page = tl.load(table_ptr + b * stride_tb + last // PAGE_SIZE, mask=has_last, other=0)
+        last_slot = last_page.to(tl.int64) * PAGE_SIZE + last % PAGE_SIZE
+        k_last = tl.load(k_ptr + last_slot * stride_cs + kvh * stride_ch + offs_d, mask=row_mask, other=0.0)
+        v_last = tl.load(v_ptr + v_pairs.v_offset(last_slot, kvh * stride_ch + offs_d, stride_cs, True),
+                         mask=row_mask, other=0.0)
+        m_i, l_i, acc = attend_one(q, k_last, v_last, qk_scale, has_last, m_i, l_i, acc, dot_dtype)
     if NEW_TOKEN:
         last = seq_len - 1
         owns = (start <= last) & (last < end)  # exactly one split of the sequence holds position seq_len - 1
-        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * qk_scale  # [BLOCK_H]
-        s_new = tl.where(owns, s_new, float("-inf"))
-        m_new = tl.maximum(m_i, s_new)
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # an empty split that does not own it stays empty
-        alpha = tl.exp2(m_i - m_ref)
-        p_new = tl.exp2(s_new - m_ref)
-        l_i = l_i * alpha + p_new
-        if F16_DOT:
-            p_new = p_new.to(tl.float16).to(tl.float32)  # rounded as the loop's p
-        else:
-            p_new = p_new.to(q_ptr.dtype.element_ty).to(tl.float32)
-        acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
-        m_i = m_new
-        dst = tl.load(slot_ptr + b).to(tl.int64) * stride_cs + kvh * stride_ch + offs_d
+        m_i, l_i, acc = attend_one(q, k_new, v_new, qk_scale, owns, m_i, l_i, acc, dot_dtype)
+        new_slot = tl.load(slot_ptr + b).to(tl.int64)
         write = tl.where(owns, offs_d < HEAD_DIM, False)  # NOTE: not `tensor & scalar` (the interpreter's mask dtype)
-        tl.store(k_ptr + dst, k_new, mask=write)
-        tl.store(v_ptr + dst, v_new, mask=write)
+        tl.store(k_ptr + new_slot * stride_cs + kvh * stride_ch + offs_d, k_new, mask=write)
+        tl.store(v_ptr + v_pairs.v_offset(new_slot, kvh * stride_ch + offs_d, stride_cs, V_PAIRS), v_new, mask=write)
     if NUM_SPLITS == 1:
         out = acc / l_i[:, None]
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
@@ -179,7 +218,7 @@ def num_splits_for(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
     return min(MAX_SPLITS, 1 << (want - 1).bit_length())
 
 
-def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_token, tile):
+def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_token, tile, pairs):
     num_seqs, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -194,16 +233,19 @@ def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_toke
     else:
         part = lse = out
     k_new, v_new, positions, inv_freq, slots = new_token or (q, q, q, q, q)
-    tile = tile or (TILE_FP8 if k_cache.dtype in FP8_DTYPES else TILE)
-    block_n, num_warps, num_stages, f16_dot, max_regs = tile
+    tile = tuple(tile or (TILE_FP8 if k_cache.dtype in FP8_DTYPES else TILE))
+    block_n, num_warps, num_stages, f16_dot, max_regs, asm = tile + (False,) * (6 - len(tile))
+    pairs = is_v_pairs(v_cache.dtype) if pairs is None else pairs
+    assert not pairs or (v_cache.dtype in FP8_DTYPES and page_size % 2 == 0)
+    asm = asm and pairs and f16_dot and os.environ.get("TRITON_INTERPRET") != "1"
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, page_table, seq_lens, out, part, lse,
+        q, k_cache, v_cache, v_cache.view(torch.int16) if pairs else v_cache, page_table, seq_lens, out, part, lse,
         k_new, v_new, positions, inv_freq, slots, 1.0 / math.sqrt(head_dim),
         q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
         out.stride(0), out.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-        BLOCK_N=block_n, NUM_SPLITS=num_splits, NEW_TOKEN=new_token is not None, F16_DOT=f16_dot,
-        num_warps=num_warps, num_stages=num_stages, **({"maxnreg": max_regs} if max_regs else {}),
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, NEW_TOKEN=new_token is not None, F16_DOT=f16_dot, V_PAIRS=pairs,
+        V_ASM=asm, num_warps=num_warps, num_stages=num_stages, **({"maxnreg": max_regs} if max_regs else {}),
         **pdl.launch_options())
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -214,36 +256,37 @@ def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_toke
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                      seq_lens: torch.Tensor, num_splits: int, out: torch.Tensor | None = None,
-                     tile: tuple[int, int, int, bool, int] | None = None) -> torch.Tensor:
+                     tile: tuple | None = None, v_pairs: bool | None = None) -> torch.Tensor:
     """q: [B, H, D]; k_cache, v_cache: [P, S, KVH, D]; page_table: [B, max_pages] int32; seq_lens: [B] (≥ 1).
 
     Returns out [B, H, D]: softmax(q·Kᵀ/√D)·V over each sequence's keys [0, seq_len). tile: (keys per tile,
-    warps, stages, fp16 dots, register cap or 0) of the split kernel; None: TILE, or TILE_FP8 for
-    an FP8 cache.
+    warps, stages, fp16 dots, register cap or 0[, asm unpack]) of the split kernel; None: TILE, or TILE_FP8 for
+    an FP8 cache. v_pairs: whether v_cache holds its keys in pairs (v_pairs.py); None: kv_cache.is_v_pairs.
     """
-    return _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, None, tile)
+    return _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, None, tile, v_pairs)
 
 
 def decode_attention_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                           inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           slot_mapping: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
                           num_splits: int, out: torch.Tensor | None = None,
-                          tile: tuple[int, int, int, bool, int] | None = None) -> torch.Tensor:
+                          tile: tuple | None = None, v_pairs: bool | None = None) -> torch.Tensor:
     """rope_kv_write_ then decode_attention in one kernel, for a decode step (the new token of sequence b sits
     at position positions[b] = seq_lens[b] - 1, slot slot_mapping[b]).
 
     q: [B, H, D], k, v: [B, KVH, D] un-rotated (read, not changed); inv_freq: [D/2] fp32. Writes the rotated k
     and v into the caches and returns out [B, H, D]. q is not rotated in place (rope_kv_write_ does that).
-    tile: as decode_attention's.
+    tile, v_pairs: as decode_attention's.
     """
     assert k.stride(2) == 1 and v.stride(2) == 1 and inv_freq.dtype == torch.float32
     return _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out,
-                   (k, v, positions, inv_freq, slot_mapping), tile)
+                   (k, v, positions, inv_freq, slot_mapping), tile, v_pairs)
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                          seq_lens: torch.Tensor) -> torch.Tensor:
-    """fp32 per-sequence softmax attention over the gathered pages (GQA by repeating KV heads)."""
+    """fp32 per-sequence softmax attention over the gathered pages (GQA by repeating KV heads). The caches hold
+    rows: pass an FP8 V cache of key pairs through kv_cache.v_rows first."""
     num_seqs, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty_like(q)

@@ -14,12 +14,16 @@ import torch
 import triton
 import triton.language as tl
 
+from services.gpu_worker.kernels import v_pairs
+from services.gpu_worker.kernels.decode_attention import attend_one
+from services.gpu_worker.kv_cache import is_v_pairs
+
 
 @triton.jit
-def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, qstart_ptr, seq_lens_ptr, table_ptr, sm_scale,
+def _extend_kernel(q_ptr, k_ptr, v_ptr, vw_ptr, out_ptr, qstart_ptr, seq_lens_ptr, table_ptr, sm_scale,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_cs, stride_ch, stride_tb,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, V_PAIRS: tl.constexpr):
     m_block = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -41,15 +45,22 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, qstart_ptr, seq_lens_ptr, table
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     qk_scale = sm_scale * 1.4426950408889634
-    for n0 in range(0, end, BLOCK_N):
+    # V in key pairs: the loop stops at an even key, and an odd last key is attended to on its own below
+    loop_end = end - end % 2 if V_PAIRS else end
+    for n0 in range(0, loop_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
+        n_mask = offs_n < loop_end
         page = tl.load(table_ptr + b * stride_tb + offs_n // PAGE_SIZE, mask=n_mask, other=0)
         slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
         kv_off = slot[:, None] * stride_cs + kvh * stride_ch + offs_d[None, :]
         # NOTE: an FP8 cache is widened to q's dtype here (a no-op for a cache of q's dtype)
         k = tl.load(k_ptr + kv_off, mask=n_mask[:, None], other=0.0).to(q_ptr.dtype.element_ty)  # [BLOCK_N, D]
-        v = tl.load(v_ptr + kv_off, mask=n_mask[:, None], other=0.0).to(q_ptr.dtype.element_ty)
+        if V_PAIRS:  # V's even and odd keys [BLOCK_N / 2, D] (v_pairs.py)
+            v_lo, v_hi = v_pairs.unpack(v_pairs.load_pairs(vw_ptr, table_ptr + b * stride_tb, kvh * stride_ch, offs_d,
+                                                           n0, loop_end, stride_cs, PAGE_SIZE, BLOCK_N // 2),
+                                        q_ptr.dtype.element_ty, False)
+        else:
+            v = tl.load(v_ptr + kv_off, mask=n_mask[:, None], other=0.0).to(q_ptr.dtype.element_ty)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N]
         allowed = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         s = tl.where(allowed, s, float("-inf"))
@@ -58,8 +69,23 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, qstart_ptr, seq_lens_ptr, table
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if V_PAIRS:
+            pv = v_pairs.dot_pairs(p.to(q_ptr.dtype.element_ty), v_lo, v_hi, BLOCK_M, BLOCK_N // 2)
+        else:
+            pv = tl.dot(p.to(q_ptr.dtype.element_ty), v)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
+    if V_PAIRS:
+        last = loop_end  # end - 1 where end is odd
+        has_last = end % 2 == 1
+        row_mask = tl.where(has_last, offs_d < HEAD_DIM, False)
+        last_page = tl.load(table_ptr + b * stride_tb + last // PAGE_SIZE, mask=has_last, other=0)
+        last_slot = last_page.to(tl.int64) * PAGE_SIZE + last % PAGE_SIZE
+        k_last = tl.load(k_ptr + last_slot * stride_cs + kvh * stride_ch + offs_d, mask=row_mask, other=0.0)
+        v_last = tl.load(v_ptr + v_pairs.v_offset(last_slot, kvh * stride_ch + offs_d, stride_cs, True),
+                         mask=row_mask, other=0.0)
+        allowed = tl.where(has_last, last <= q_pos, False)  # [BLOCK_M], causal
+        m_i, l_i, acc = attend_one(q, k_last, v_last, qk_scale, allowed, m_i, l_i, acc, q_ptr.dtype.element_ty)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
@@ -68,8 +94,8 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, qstart_ptr, seq_lens_ptr, table
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start: torch.Tensor,
                      seq_lens: torch.Tensor, page_table: torch.Tensor, max_query_len: int,
                      block_m: int = 64, block_n: int = 64, out: torch.Tensor | None = None) -> torch.Tensor:
-    """q: [T, H, D]; caches [P, S, KVH, D] already holding the new K/V; query_start: [B+1]; seq_lens: [B];
-    page_table: [B, max_pages] → out [T, H, D].
+    """q: [T, H, D]; caches [P, S, KVH, D] already holding the new K/V (an FP8 V in key pairs: kv_cache.py);
+    query_start: [B+1]; seq_lens: [B]; page_table: [B, max_pages] → out [T, H, D].
 
     query_start holds row indices into q and out, so a batch's tail of sequences can be passed alone (views
     query_start[n:], seq_lens[n:], page_table[n:]) with the whole q and out: only those rows are written."""
@@ -80,18 +106,20 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_tokens == 0:
         return out
     assert q.stride(2) == 1 and k_cache.is_contiguous() and v_cache.stride() == k_cache.stride()
+    pairs = is_v_pairs(v_cache.dtype)
     grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
     _extend_kernel[grid](
-        q, k_cache, v_cache, out, query_start, seq_lens, page_table, 1.0 / math.sqrt(head_dim),
+        q, k_cache, v_cache, v_cache.view(torch.int16) if pairs else v_cache, out, query_start, seq_lens, page_table,
+        1.0 / math.sqrt(head_dim),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(1), k_cache.stride(2),
         page_table.stride(0), GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=2)
+        BLOCK_M=block_m, BLOCK_N=block_n, V_PAIRS=pairs, num_warps=4, num_stages=2)
     return out
 
 
 def extend_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start: torch.Tensor,
                          seq_lens: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
-    """fp32 causal attention per sequence over its gathered pages."""
+    """fp32 causal attention per sequence over its gathered pages, of caches of rows (kv_cache.v_rows)."""
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty_like(q)

@@ -10,14 +10,16 @@ import torch
 import triton
 import triton.language as tl
 
+from services.gpu_worker.kernels import v_pairs
 from services.gpu_worker.kernels.rope import _cos_sin, _rotate
+from services.gpu_worker.kv_cache import is_v_pairs
 
 
 @triton.jit
 def _rope_kv_write_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
                           stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch,
                           num_q_heads, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-                          BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr):
+                          BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, V_PAIRS: tl.constexpr):
     t = tl.program_id(0)
     cos, sin = _cos_sin(pos_ptr, inv_freq_ptr, t, HALF)
     _rotate(q_ptr, stride_qt, stride_qh, t, cos, sin, num_q_heads, HALF, BLOCK_HQ)
@@ -28,7 +30,10 @@ def _rope_kv_write_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, slot_ptr, 
     mask = (offs_h < NUM_KV_HEADS)[:, None]
     k_src = k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
     v_src = v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
-    dst = slot * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :]
+    head_off = offs_h[:, None] * stride_ch + offs_d[None, :]
+    dst = slot * stride_cs + head_off
+    v_dst = v_pairs.v_offset(slot, head_off, stride_cs, V_PAIRS)
+    V_STEP: tl.constexpr = 2 * HALF if V_PAIRS else HALF  # d + HALF: its byte lies 2 · HALF further in pairs
     k1 = tl.load(k_src, mask=mask, other=0.0).to(tl.float32)
     k2 = tl.load(k_src + HALF, mask=mask, other=0.0).to(tl.float32)
     # NOTE: round to k's dtype first, as rope_ does when it writes k back, then to the cache's
@@ -36,15 +41,16 @@ def _rope_kv_write_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, slot_ptr, 
     cache_ty = k_cache_ptr.dtype.element_ty
     tl.store(k_cache_ptr + dst, (k1 * cos - k2 * sin).to(out_ty).to(cache_ty), mask=mask)
     tl.store(k_cache_ptr + dst + HALF, (k2 * cos + k1 * sin).to(out_ty).to(cache_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, tl.load(v_src, mask=mask).to(cache_ty), mask=mask)
-    tl.store(v_cache_ptr + dst + HALF, tl.load(v_src + HALF, mask=mask).to(cache_ty), mask=mask)
+    tl.store(v_cache_ptr + v_dst, tl.load(v_src, mask=mask).to(cache_ty), mask=mask)
+    tl.store(v_cache_ptr + v_dst + V_STEP, tl.load(v_src + HALF, mask=mask).to(cache_ty), mask=mask)
 
 
 def rope_kv_write_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                    inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
-    """q: [T, H, D] rotated in place; k, v: [T, KVH, D] read; k_cache, v_cache: [P, S, KVH, D] written at
-    slot_mapping [T]; positions: [T] int; inv_freq: [D/2] fp32. Head dims contiguous."""
+    """q: [T, H, D] rotated in place; k, v: [T, KVH, D] read; k_cache, v_cache: [P, S, KVH, D] (an FP8 V in key
+    pairs: kv_cache.py) written at slot_mapping [T]; positions: [T] int; inv_freq: [D/2] fp32. Head dims
+    contiguous."""
     num_tokens, num_heads, head_dim = q.shape
     if num_tokens == 0:
         return
@@ -57,4 +63,4 @@ def rope_kv_write_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
         q, k, v, positions, inv_freq, slot_mapping, kc, vc, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), kc.stride(0), kc.stride(1), num_heads, NUM_KV_HEADS=num_kv_heads,
         HALF=head_dim // 2, BLOCK_HQ=triton.next_power_of_2(num_heads),
-        BLOCK_HK=triton.next_power_of_2(num_kv_heads), num_warps=4)
+        BLOCK_HK=triton.next_power_of_2(num_kv_heads), V_PAIRS=is_v_pairs(v_cache.dtype), num_warps=4)
