@@ -168,12 +168,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, vw_ptr, table_ptr, seq_lens_ptr, o
     if V_PAIRS:
         last = loop_end  # kv_end - 1 where kv_end is odd
         has_last = (kv_end % 2 == 1) & (last >= start)
-        row_mask = tl.where(has_last, offs_d < HEAD_DIM, False)
-        last_page = tl.load(table_ptr + b * stride_tb + last // PAGE_SIZE, mask=has_last, other=0)
-        last_slot = last_page.to(tl.int64) * PAGE_SIZE + last % PAGE_SIZE
-        k_last = tl.load(k_ptr + last_slot * stride_cs + kvh * stride_ch + offs_d, mask=row_mask, other=0.0)
-        v_last = tl.load(v_ptr + v_pairs.v_offset(last_slot, kvh * stride_ch + offs_d, stride_cs, True),
-                         mask=row_mask, other=0.0)
+        k_last, v_last = v_pairs.load_key(k_ptr, v_ptr, table_ptr + b * stride_tb, last, has_last, kvh * stride_ch,
+                                          offs_d, stride_cs, PAGE_SIZE)
         m_i, l_i, acc = attend_one(q, k_last, v_last, qk_scale, has_last, m_i, l_i, acc, dot_dtype)
     if NEW_TOKEN:
         last = seq_len - 1

@@ -78,12 +78,8 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, vw_ptr, out_ptr, qstart_ptr, seq_lens_pt
     if V_PAIRS:
         last = loop_end  # end - 1 where end is odd
         has_last = end % 2 == 1
-        row_mask = tl.where(has_last, offs_d < HEAD_DIM, False)
-        last_page = tl.load(table_ptr + b * stride_tb + last // PAGE_SIZE, mask=has_last, other=0)
-        last_slot = last_page.to(tl.int64) * PAGE_SIZE + last % PAGE_SIZE
-        k_last = tl.load(k_ptr + last_slot * stride_cs + kvh * stride_ch + offs_d, mask=row_mask, other=0.0)
-        v_last = tl.load(v_ptr + v_pairs.v_offset(last_slot, kvh * stride_ch + offs_d, stride_cs, True),
-                         mask=row_mask, other=0.0)
+        k_last, v_last = v_pairs.load_key(k_ptr, v_ptr, table_ptr + b * stride_tb, last, has_last, kvh * stride_ch,
+                                          offs_d, stride_cs, PAGE_SIZE)
         allowed = tl.where(has_last, last <= q_pos, False)  # [BLOCK_M], causal
         m_i, l_i, acc = attend_one(q, k_last, v_last, qk_scale, allowed, m_i, l_i, acc, q_ptr.dtype.element_ty)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]

@@ -46,6 +46,18 @@ def load_pairs(words_ptr, table_row_ptr, kvh_off, offs_d, n0, end, stride_cs,
 
 
 @triton.jit
+def load_key(k_ptr, v_ptr, table_row_ptr, key, valid, kvh_off, offs_d, stride_cs, PAGE_SIZE: tl.constexpr):
+    """K's and V's rows [D] of one key (V in pairs), or 0 where not `valid` (a scalar): the odd last key that
+    load_pairs leaves out."""
+    row_mask = tl.where(valid, offs_d >= 0, False)  # NOTE: not `tensor & scalar` (the interpreter's mask dtype)
+    page = tl.load(table_row_ptr + key // PAGE_SIZE, mask=valid, other=0)
+    slot = page.to(tl.int64) * PAGE_SIZE + key % PAGE_SIZE
+    k_row = tl.load(k_ptr + slot * stride_cs + kvh_off + offs_d, mask=row_mask, other=0.0)
+    v_row = tl.load(v_ptr + v_offset(slot, kvh_off + offs_d, stride_cs, True), mask=row_mask, other=0.0)
+    return k_row, v_row
+
+
+@triton.jit
 def unpack(words, dtype: tl.constexpr, ASM: tl.constexpr):
     """int16 words of two e4m3 keys → (even keys, odd keys) in dtype; ASM (fp16 only, on the GPU): _UNPACK_PTX."""
     if ASM:
