@@ -43,7 +43,7 @@ from services.gpu_worker.attention.base import AttentionMetadata
 from services.gpu_worker.attention.triton_backend import TritonAttention
 from services.gpu_worker.kernels import pdl
 from services.gpu_worker.kernels.decode_attention import (decode_attention, decode_attention_rope, num_splits_for,
-                                                           parse_tile)
+                                                           parse_tile, tile_name)
 from services.gpu_worker.kernels.rms_norm import rms_norm
 from services.gpu_worker.kernels.rope_kv_write import rope_kv_write_
 from services.gpu_worker.kernels.silu_mul import silu_mul
@@ -286,8 +286,11 @@ def w1_mixed_steps(num_requests: int) -> dict:
 
 def fp8_tile_sweep(copy_tbs: float, shapes: tuple = ((64, 1504), (384, 1504)), fp8: list | None = None) -> dict:
     """Decode attention with RoPE, 32 layers in one graph, over an FP8 cache by the split kernel's tile (keys per
-    tile, warps, pipeline stages, fp16 dots, register cap), beside the bf16 cache at two tiles; no model. Each
-    shape's row names the fastest tile of each cache dtype (best_<dtype>)."""
+    tile, warps, pipeline stages, fp16 dots, register cap, assembly unpacking) and V layout (rows, or key pairs as
+    the engine stores it), beside the bf16 cache at two tiles; no model. The pairs runs read the same V as the rows
+    runs (kv_cache.v_pairs_of), so every output matches the first. Each shape's row names the fastest variant of
+    each cache dtype (best_<dtype>: [tile..., "rows" or "pairs"])."""
+    from services.gpu_worker.kv_cache import v_pairs_of
     from services.gpu_worker.model.rope import inv_frequencies
 
     cfg = preset("llama3-8b")
@@ -295,18 +298,22 @@ def fp8_tile_sweep(copy_tbs: float, shapes: tuple = ((64, 1504), (384, 1504)), f
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     num_pages = 1 + max(b * -(-ctx // PAGE) for b, ctx in shapes) + 64
     width = 4096 // PAGE
-    # (keys, warps, stages, fp16 dots, register cap or 0): decode_attention.py's notes on TILE say why. Earlier
-    # sweeps (h200_probe_20261203_{e,f}_*.json) also ran a V-widening option, since dropped.
-    fp8 = fp8 or [(64, 4, 2, False, 0), (64, 4, 2, True, 0), (128, 4, 2, True, 0), (128, 4, 2, True, 128),
-                  (128, 4, 3, True, 128), (128, 4, 5, True, 0), (64, 4, 5, True, 128), (128, 8, 2, True, 0)]
-    plans = {"bfloat16": [(64, 4, 2, False, 0), (128, 4, 2, False, 0)], "fp8": fp8}
+    # (tile, V in key pairs): decode_attention.py's notes on TILE say why. Earlier sweeps
+    # (h200_probe_20261203_{e,f}_*.json) also ran a V-widening option, since dropped, and 8 warps and 5 stages.
+    fp8 = [(tile, pairs) for tile in fp8 for pairs in (False, True) if pairs or not tile[5]] if fp8 else [
+        ((128, 4, 2, True, 0, False), False), ((128, 4, 2, True, 0, False), True), ((128, 4, 2, True, 0, True), True),
+        ((128, 4, 2, True, 128, False), False), ((128, 4, 2, True, 128, True), True),
+        ((64, 4, 2, True, 0, False), True), ((64, 4, 2, True, 0, True), True), ((128, 4, 3, True, 0, True), True)]
+    plans = {"bfloat16": [((64, 4, 2, False, 0, False), False), ((128, 4, 2, False, 0, False), False)], "fp8": fp8}
     res: dict = {}
-    for label, tiles in plans.items():
+    for label, variants in plans.items():
         dtype = torch.bfloat16 if label == "bfloat16" else torch.float8_e4m3fn
         kv = KVCache(cfg.num_layers, num_pages, PAGE, cfg.num_kv_heads, cfg.head_dim, dtype, "cuda")
         for pool in (kv.k, kv.v):
             for layer in pool:
                 layer.copy_(torch.randn(layer.shape, device="cuda", dtype=torch.bfloat16))
+        # the engine's FP8 V holds key pairs; this pool's V is rows, and v_pairs the same values in pairs
+        v_pairs = [v_pairs_of(layer) for layer in kv.v] if label == "fp8" else None
         with torch.inference_mode():
             for batch, ctx in shapes:
                 mb = Batch(batch, ctx, 1, width, "cuda")
@@ -317,25 +324,27 @@ def fp8_tile_sweep(copy_tbs: float, shapes: tuple = ((64, 1504), (384, 1504)), f
                     "kv_read_ms_at_copy_bf16": round(batch * ctx * 131072 / (copy_tbs * 1e12) * 1e3, 3),
                     "kv_read_ms_at_copy_fp8": round(batch * ctx * 65536 / (copy_tbs * 1e12) * 1e3, 3)})
                 first = None
-                for tile in tiles:
-                    def attend(tile=tile):
-                        return [decode_attention_rope(q, k, v, mb.positions, inv_freq, kv.k[i], kv.v[i], mb.slots,
-                                                      mb.page_table, mb.seq_lens, splits, tile=tile)
+                for tile, pairs in variants:
+                    v_pool = v_pairs if pairs else kv.v
+
+                    def attend(tile=tile, pairs=pairs, v_pool=v_pool):
+                        return [decode_attention_rope(q, k, v, mb.positions, inv_freq, kv.k[i], v_pool[i], mb.slots,
+                                                      mb.page_table, mb.seq_lens, splits, tile=tile, v_pairs=pairs)
                                 for i in range(cfg.num_layers)]
-                    key = (f"{label}_{tile[0]}x{tile[1]}w{tile[2]}s" + ("_f16dot" if tile[3] else "")
-                           + (f"_r{tile[4]}" if tile[4] else ""))
+                    key = f"{label}_{tile_name(tile)}" + ("_pairs" if pairs else "")
                     try:
                         out0 = attend()[0].float()
                         first = out0 if first is None else first
                         g = graph_of(attend)
                         row[key + "_ms"] = round(bench_ms(g.replay), 4)
                         if row[key + "_ms"] < row.get(f"best_{label}_ms", float("inf")):
-                            row[f"best_{label}"], row[f"best_{label}_ms"] = list(tile), row[key + "_ms"]
+                            row[f"best_{label}"] = [*tile, "pairs" if pairs else "rows"]
+                            row[f"best_{label}_ms"] = row[key + "_ms"]
                         row[key + "_rel_diff"] = float((out0 - first).norm() / first.norm())
                         del g
                     except Exception as exc:  # a tile that cannot compile (shared memory) is recorded, not fatal
                         row[key + "_error"] = repr(exc)[:200]
-        del kv
+        del kv, v_pairs
         torch.cuda.empty_cache()
     return res
 
@@ -438,7 +447,8 @@ def main() -> int:
     p.add_argument("--mixed-requests", type=int, default=1000, help="W1 requests for the mixed-steps phase")
     p.add_argument("--fp8tune-shapes", default="64x1504,384x1504", help="fp8tune: batch x context, comma-separated")
     p.add_argument("--fp8tune-tiles", default="",
-                   help="fp8tune: FP8 tiles keys,warps,stages,fp16_dots,max_regs separated by ';' (default: the grid)")
+                   help="fp8tune: FP8 tiles keys,warps,stages,fp16_dots,max_regs[,asm_unpack] separated by ';', each "
+                        "run over V in rows and in key pairs (an asm tile: pairs only); default: the grid")
     args = p.parse_args()
     phases = set(args.phases.split(","))
     out = Path(args.out)
