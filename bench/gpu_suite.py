@@ -243,7 +243,8 @@ def main() -> int:
     p.add_argument("--pdl", default="off", help="EngineConfig.pdl: off, auto or on")
     p.add_argument("--kv-cache-dtype", default="auto", help="EngineConfig.kv_cache_dtype: auto or fp8")
     p.add_argument("--decode-tile-fp8", default="",
-                   help="replaces decode_attention.TILE_FP8: keys,warps,stages,fp16_dots,max_regs (e.g. 128,4,3,1,128)")
+                   help="replaces decode_attention.TILE_FP8: keys,warps,stages,fp16_dots,max_regs[,asm_unpack] "
+                        "(e.g. 128,4,3,1,128 or 128,4,2,1,0,1)")
     args = p.parse_args()
     from services.gpu_worker.kernels import decode_attention
 
@@ -280,9 +281,11 @@ def main() -> int:
     kv_bytes = KV_BYTES_PER_TOKEN * engine.kv.k.element_size() // 2  # the constant is bf16's
     replay = {b: round(graph_replay_ms(engine, b), 3) for b in (1, 8, 64, 128, 256) if b in engine.graphs.graphs}
     from services.gpu_worker.kernels import pdl
+    from services.gpu_worker.kv_cache import is_v_pairs
 
     suite.save("engine_setup", {"seconds_incl_graph_capture": round(setup_s, 1), "num_pages": engine.num_pages,
                                 "pdl": pdl.is_enabled(), "kv_cache_dtype": str(engine.kv.dtype),
+                                "v_cache_layout": "key pairs" if is_v_pairs(engine.kv.dtype) else "rows",
                                 "decode_tile": decode_attention.TILE, "decode_tile_fp8": decode_attention.TILE_FP8,
                                 "graph_buckets": engine.graphs.buckets, "graph_replay_ms_1token_ctx": replay,
                                 "weights_roofline_ms": round(WEIGHT_BYTES / (copy_tbs * 1e12) * 1e3, 3)})
