@@ -114,6 +114,9 @@ def test_worker_flag_reaches_the_engine_config_and_a_bad_value_is_refused():
     assert WorkerConfig(kv_cache_dtype="fp8").engine_config().resolved_kv_dtype() == FP8
     with pytest.raises(ValueError, match="kv_cache_dtype must be auto or fp8"):
         WorkerConfig(kv_cache_dtype="int4")
+    with pytest.raises(ValueError, match="page_size must be even"):
+        WorkerConfig(kv_cache_dtype="fp8", page_size=15)
+    assert WorkerConfig(page_size=15).page_size == 15  # a cache in the model's dtype keeps its rows
 
 
 def test_v_key_pairs_round_trip_and_need_an_even_page():
