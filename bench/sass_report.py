@@ -44,7 +44,7 @@ def compile_tile(tile: tuple, cache: str = "fp8e4nv", new_token: bool = True, nu
     names = kernel.arg_names
     const = {"GROUP": 4, "BLOCK_H": 16, "HEAD_DIM": 128, "PAGE_SIZE": 16, "BLOCK_N": block_n,
              "NUM_SPLITS": num_splits, "NEW_TOKEN": new_token, "F16_DOT": bool(f16_dot), "V_PAIRS": pairs,
-             "V_ASM": bool(asm and pairs and f16_dot), "USE_PDL": False}
+             "V_ASM": bool(asm and pairs and f16_dot), "OFF64": False, "USE_PDL": False}
     pointers = {**_POINTERS, "k_ptr": cache, "v_ptr": cache}
     signature = {n: "constexpr" if n in const else "*" + pointers[n] if n in pointers
                  else "fp32" if n == "sm_scale" else "i32" for n in names}

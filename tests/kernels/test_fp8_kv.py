@@ -60,6 +60,28 @@ def test_a_stale_nan_beside_the_last_key_stays_out():
     assert rel_err(out, extend_attention_ref(qe, k.float(), v_rows(v).float(), query_start, lens, table)) < 2e-3
 
 
+def test_int64_offsets_give_the_int32_ones_results(monkeypatch):
+    """A cache layer of 2^31 elements or more is addressed in int64 (paging.py); smaller ones in int32."""
+    from services.gpu_worker.kernels import paging
+
+    gen = torch.Generator().manual_seed(5)
+    k, v, table, lens = _caches([5, 37, 20], 2, 16, 4, gen)
+    q = randn((3, 4, 16), gen, torch.float32, DEVICE)
+    query_start = torch.tensor([0, 2, 5, 6], dtype=torch.int32, device=DEVICE)
+    qe = randn((6, 4, 16), gen, torch.float32, DEVICE)
+
+    def run():
+        return (decode_attention(q, k, v, table, lens, 2), decode_attention(q, k, v_rows(v), table, lens, 2,
+                                                                            v_pairs=False),
+                extend_attention(qe, k, v, query_start, lens, table, 3, 16, 16))
+
+    assert not paging.needs_off64(k)
+    narrow = run()
+    monkeypatch.setattr(paging, "needs_off64", lambda cache: True)
+    for got, want in zip(run(), narrow):
+        assert torch.equal(got, want)
+
+
 def test_extend_reads_the_fp8_cache_as_its_dequantized_values():
     gen = torch.Generator().manual_seed(7)
     k, v, table, lens = _caches([40, 9, 23], 2, 16, 4, gen)

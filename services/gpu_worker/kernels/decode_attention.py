@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.gpu_worker.kernels import pdl, v_pairs
+from services.gpu_worker.kernels import paging, pdl, v_pairs
 from services.gpu_worker.kv_cache import FP8_DTYPES, is_v_pairs
 
 BLOCK_N = 64
@@ -96,7 +96,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, vw_ptr, table_ptr, seq_lens_ptr, o
                    stride_knb, stride_knh, stride_vnb, stride_vnh,
                    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, NEW_TOKEN: tl.constexpr,
-                   F16_DOT: tl.constexpr, V_PAIRS: tl.constexpr, V_ASM: tl.constexpr, USE_PDL: tl.constexpr):
+                   F16_DOT: tl.constexpr, V_PAIRS: tl.constexpr, V_ASM: tl.constexpr, OFF64: tl.constexpr,
+                   USE_PDL: tl.constexpr):
     pdl.wait_for_previous(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -142,14 +143,13 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, vw_ptr, table_ptr, seq_lens_ptr, o
     for n0 in range(start, loop_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < loop_end
-        page = tl.load(table_ptr + b * stride_tb + offs_n // PAGE_SIZE, mask=n_mask, other=0)
-        slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
+        slot = paging.slot_of(table_ptr + b * stride_tb, offs_n, n_mask, PAGE_SIZE, OFF64)
         kv_off = slot[:, None] * stride_cs + kvh * stride_ch + offs_d[None, :]  # [BLOCK_N, D]
         # NOTE: an FP8 cache is widened to q's dtype here (a no-op for a cache of q's dtype), or to fp16
         k = tl.load(k_ptr + kv_off, mask=n_mask[:, None], other=0.0).to(dot_dtype)
         if V_PAIRS:  # V's even and odd keys [BLOCK_N / 2, D] (v_pairs.py)
             v_lo, v_hi = v_pairs.unpack(v_pairs.load_pairs(vw_ptr, table_ptr + b * stride_tb, kvh * stride_ch, offs_d,
-                                                           n0, loop_end, stride_cs, PAGE_SIZE, BLOCK_N // 2),
+                                                           n0, loop_end, stride_cs, PAGE_SIZE, BLOCK_N // 2, OFF64),
                                         dot_dtype, V_ASM)
         else:
             v = tl.load(v_ptr + kv_off, mask=n_mask[:, None], other=0.0).to(dot_dtype)
@@ -241,7 +241,7 @@ def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_toke
         out.stride(0), out.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, NEW_TOKEN=new_token is not None, F16_DOT=f16_dot, V_PAIRS=pairs,
-        V_ASM=asm, num_warps=num_warps, num_stages=num_stages, **({"maxnreg": max_regs} if max_regs else {}),
+        V_ASM=asm, OFF64=paging.needs_off64(k_cache), num_warps=num_warps, num_stages=num_stages, **({"maxnreg": max_regs} if max_regs else {}),
         **pdl.launch_options())
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.gpu_worker.kernels import v_pairs
+from services.gpu_worker.kernels import paging, v_pairs
 from services.gpu_worker.kernels.decode_attention import attend_one
 from services.gpu_worker.kv_cache import is_v_pairs
 
@@ -23,7 +23,7 @@ from services.gpu_worker.kv_cache import is_v_pairs
 def _extend_kernel(q_ptr, k_ptr, v_ptr, vw_ptr, out_ptr, qstart_ptr, seq_lens_ptr, table_ptr, sm_scale,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_cs, stride_ch, stride_tb,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, V_PAIRS: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, V_PAIRS: tl.constexpr, OFF64: tl.constexpr):
     m_block = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -50,14 +50,13 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, vw_ptr, out_ptr, qstart_ptr, seq_lens_pt
     for n0 in range(0, loop_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < loop_end
-        page = tl.load(table_ptr + b * stride_tb + offs_n // PAGE_SIZE, mask=n_mask, other=0)
-        slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
+        slot = paging.slot_of(table_ptr + b * stride_tb, offs_n, n_mask, PAGE_SIZE, OFF64)
         kv_off = slot[:, None] * stride_cs + kvh * stride_ch + offs_d[None, :]
         # NOTE: an FP8 cache is widened to q's dtype here (a no-op for a cache of q's dtype)
         k = tl.load(k_ptr + kv_off, mask=n_mask[:, None], other=0.0).to(q_ptr.dtype.element_ty)  # [BLOCK_N, D]
         if V_PAIRS:  # V's even and odd keys [BLOCK_N / 2, D] (v_pairs.py)
             v_lo, v_hi = v_pairs.unpack(v_pairs.load_pairs(vw_ptr, table_ptr + b * stride_tb, kvh * stride_ch, offs_d,
-                                                           n0, loop_end, stride_cs, PAGE_SIZE, BLOCK_N // 2),
+                                                           n0, loop_end, stride_cs, PAGE_SIZE, BLOCK_N // 2, OFF64),
                                         q_ptr.dtype.element_ty, False)
         else:
             v = tl.load(v_ptr + kv_off, mask=n_mask[:, None], other=0.0).to(q_ptr.dtype.element_ty)
@@ -109,7 +108,8 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         1.0 / math.sqrt(head_dim),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(1), k_cache.stride(2),
         page_table.stride(0), GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, V_PAIRS=pairs, num_warps=4, num_stages=2)
+        BLOCK_M=block_m, BLOCK_N=block_n, V_PAIRS=pairs, OFF64=paging.needs_off64(k_cache), num_warps=4,
+        num_stages=2)
     return out
 
 

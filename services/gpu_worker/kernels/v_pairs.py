@@ -16,6 +16,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from services.gpu_worker.kernels import paging
+
 # e4m3 pairs → fp16 pairs: one byte permute and two conversions per two words (Triton's own conversion takes
 # shifts and masks to split a word first). Output element i is the low (even) or high (odd) key of word i.
 _UNPACK_PTX = tl.constexpr("{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $2, 0, 0x3120; mov.b32 {lo, hi}, t; "
@@ -34,14 +36,13 @@ def v_offset(slot, head_off, stride_cs, PAIRS: tl.constexpr):
 
 @triton.jit
 def load_pairs(words_ptr, table_row_ptr, kvh_off, offs_d, n0, end, stride_cs,
-               PAGE_SIZE: tl.constexpr, HALF_N: tl.constexpr):
+               PAGE_SIZE: tl.constexpr, HALF_N: tl.constexpr, OFF64: tl.constexpr):
     """The words [HALF_N, D] of keys n0 + 2r and n0 + 2r + 1 (r < HALF_N), 0 from `end` on. `end` must be even:
     the slot after an odd end shares its word and may hold a stale byte, even a NaN (0 · NaN is NaN), so a
     kernel attends to an odd last key on its own (masking here costs a layout change through shared memory)."""
     offs_r = n0 + 2 * tl.arange(0, HALF_N)  # the even keys
     r_mask = offs_r < end
-    page = tl.load(table_row_ptr + offs_r // PAGE_SIZE, mask=r_mask, other=0)
-    row = page.to(tl.int64) * (PAGE_SIZE // 2) + (offs_r % PAGE_SIZE) // 2
+    row = paging.slot_of(table_row_ptr, offs_r, r_mask, PAGE_SIZE, OFF64) // 2  # the pair row of both keys
     return tl.load(words_ptr + row[:, None] * stride_cs + kvh_off + offs_d[None, :], mask=r_mask[:, None], other=0)
 
 
@@ -50,8 +51,7 @@ def load_key(k_ptr, v_ptr, table_row_ptr, key, valid, kvh_off, offs_d, stride_cs
     """K's and V's rows [D] of one key (V in pairs), or 0 where not `valid` (a scalar): the odd last key that
     load_pairs leaves out."""
     row_mask = tl.where(valid, offs_d >= 0, False)  # NOTE: not `tensor & scalar` (the interpreter's mask dtype)
-    page = tl.load(table_row_ptr + key // PAGE_SIZE, mask=valid, other=0)
-    slot = page.to(tl.int64) * PAGE_SIZE + key % PAGE_SIZE
+    slot = paging.slot_of(table_row_ptr, key, valid, PAGE_SIZE, True)
     k_row = tl.load(k_ptr + slot * stride_cs + kvh_off + offs_d, mask=row_mask, other=0.0)
     v_row = tl.load(v_ptr + v_offset(slot, kvh_off + offs_d, stride_cs, True), mask=row_mask, other=0.0)
     return k_row, v_row
