@@ -241,8 +241,8 @@ def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_toke
         out.stride(0), out.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, NEW_TOKEN=new_token is not None, F16_DOT=f16_dot, V_PAIRS=pairs,
-        V_ASM=asm, OFF64=paging.needs_off64(k_cache), num_warps=num_warps, num_stages=num_stages, **({"maxnreg": max_regs} if max_regs else {}),
-        **pdl.launch_options())
+        V_ASM=asm, OFF64=paging.needs_off64(k_cache), num_warps=num_warps, num_stages=num_stages,
+        **({"maxnreg": max_regs} if max_regs else {}), **pdl.launch_options())
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part, lse, out, out.stride(0), out.stride(1), num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
