@@ -225,6 +225,29 @@ def prompts_for(num: int, length: int, vocab: int, seed: int) -> list[list[int]]
     return [[rng.randrange(vocab) for _ in range(length)] for _ in range(num)]
 
 
+# --decode-tile-fp8 auto's candidates: the default, the unpacking assembly, and 64 keys (128 registers) with and
+# without it (docs/PERFORMANCE.md, "Offline: the FP8 V cache in key pairs")
+AUTO_FP8_TILES = ((128, 4, 2, True, 0, False), (128, 4, 2, True, 0, True), (64, 4, 2, True, 0, True),
+                  (64, 4, 2, True, 0, False))
+
+
+def pick_fp8_tile(copy_tbs: float, batch: int, context: int = 1504) -> tuple[tuple, dict]:
+    """The fastest of AUTO_FP8_TILES at batch × context (32 layers of the decode attention with RoPE, V in key
+    pairs as the engine stores it) among those whose output is within 1e-2 of the first's; and the timings."""
+    from bench.h200_probe import fp8_tile_sweep
+    from services.gpu_worker.kernels.decode_attention import TILE_FP8, tile_name
+
+    row = fp8_tile_sweep(copy_tbs, ((batch, context),), list(AUTO_FP8_TILES), layouts=(True,),
+                         with_bf16=False)[f"B{batch}_L{context}"]
+    keys = {tile: f"fp8_{tile_name(tile)}_pairs" for tile in AUTO_FP8_TILES}
+    timed = [(row[key + "_ms"], tile) for tile, key in keys.items()
+             if key + "_ms" in row and row.get(key + "_rel_diff", 1.0) < 1e-2]
+    best = min(timed)[1] if timed else TILE_FP8  # none ran: the default stays
+    gc.collect()
+    torch.cuda.empty_cache()
+    return best, {"shape": [batch, context], "timings": row, "picked": list(best)}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
@@ -244,11 +267,12 @@ def main() -> int:
     p.add_argument("--kv-cache-dtype", default="auto", help="EngineConfig.kv_cache_dtype: auto or fp8")
     p.add_argument("--decode-tile-fp8", default="",
                    help="replaces decode_attention.TILE_FP8: keys,warps,stages,fp16_dots,max_regs[,asm_unpack] "
-                        "(e.g. 128,4,3,1,128 or 128,4,2,1,0,1)")
+                        "(e.g. 128,4,3,1,128 or 128,4,2,1,0,1); auto: the fastest of AUTO_FP8_TILES whose output "
+                        "matches the default's, timed at W1's largest max_num_seqs x 1504 keys before the model loads")
     args = p.parse_args()
     from services.gpu_worker.kernels import decode_attention
 
-    if args.decode_tile_fp8:
+    if args.decode_tile_fp8 and args.decode_tile_fp8 != "auto":
         decode_attention.TILE_FP8 = decode_attention.parse_tile(args.decode_tile_fp8)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -258,6 +282,10 @@ def main() -> int:
     kernels = kernel_bandwidth()
     copy_tbs = kernels["copy_1GiB"]["tb_s"]
     suite.save("kernels", kernels)
+    w1_seqs = [int(x) for x in args.w1_max_seqs.split(",")]
+    if args.decode_tile_fp8 == "auto":
+        decode_attention.TILE_FP8, pick = pick_fp8_tile(copy_tbs, max(w1_seqs))
+        suite.save("decode_tile_fp8_auto", pick)
 
     from services.gpu_worker.model.loader import load_model
 
@@ -274,7 +302,6 @@ def main() -> int:
     torch.cuda.empty_cache()
 
     t0 = time.perf_counter()
-    w1_seqs = [int(x) for x in args.w1_max_seqs.split(",")]
     engine = make_engine(loaded, max_num_seqs=max(args.w0_requests, *w1_seqs), chunk=args.chunk,
                          staging=args.graph_staging, pdl=args.pdl, kv_cache_dtype=args.kv_cache_dtype)
     setup_s = time.perf_counter() - t0

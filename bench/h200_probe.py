@@ -284,12 +284,14 @@ def w1_mixed_steps(num_requests: int) -> dict:
     return res
 
 
-def fp8_tile_sweep(copy_tbs: float, shapes: tuple = ((64, 1504), (384, 1504)), fp8: list | None = None) -> dict:
+def fp8_tile_sweep(copy_tbs: float, shapes: tuple = ((64, 1504), (384, 1504)), fp8: list | None = None,
+                   layouts: tuple = (False, True), with_bf16: bool = True) -> dict:
     """Decode attention with RoPE, 32 layers in one graph, over an FP8 cache by the split kernel's tile (keys per
     tile, warps, pipeline stages, fp16 dots, register cap, assembly unpacking) and V layout (rows, or key pairs as
     the engine stores it), beside the bf16 cache at two tiles; no model. The pairs runs read the same V as the rows
     runs (kv_cache.v_pairs_of), so every output matches the first. Each shape's row names the fastest variant of
-    each cache dtype (best_<dtype>: [tile..., "rows" or "pairs"])."""
+    each cache dtype (best_<dtype>: [tile..., "rows" or "pairs"]). fp8 and layouts (V in key pairs or not) replace
+    the FP8 grid; with_bf16=False leaves the bf16 cache out."""
     from services.gpu_worker.kv_cache import v_pairs_of
     from services.gpu_worker.model.rope import inv_frequencies
 
@@ -300,11 +302,13 @@ def fp8_tile_sweep(copy_tbs: float, shapes: tuple = ((64, 1504), (384, 1504)), f
     width = 4096 // PAGE
     # (tile, V in key pairs): decode_attention.py's notes on TILE say why. Earlier sweeps
     # (h200_probe_20261203_{e,f}_*.json) also ran a V-widening option, since dropped, and 8 warps and 5 stages.
-    fp8 = [(tile, pairs) for tile in fp8 for pairs in (False, True) if pairs or not tile[5]] if fp8 else [
+    fp8 = [(tile, pairs) for tile in fp8 for pairs in layouts if pairs or not tile[5]] if fp8 else [
         ((128, 4, 2, True, 0, False), False), ((128, 4, 2, True, 0, False), True), ((128, 4, 2, True, 0, True), True),
         ((128, 4, 2, True, 128, False), False), ((128, 4, 2, True, 128, True), True),
         ((64, 4, 2, True, 0, False), True), ((64, 4, 2, True, 0, True), True), ((128, 4, 3, True, 0, True), True)]
     plans = {"bfloat16": [((64, 4, 2, False, 0, False), False), ((128, 4, 2, False, 0, False), False)], "fp8": fp8}
+    if not with_bf16:
+        del plans["bfloat16"]
     res: dict = {}
     for label, variants in plans.items():
         dtype = torch.bfloat16 if label == "bfloat16" else torch.float8_e4m3fn
