@@ -21,7 +21,7 @@ from services.gpu_worker.kernels import paging
 # e4m3 pairs → fp16 pairs: one byte permute and two conversions per two words (Triton's own conversion takes
 # shifts and masks to split a word first). Output element i is the low (even) or high (odd) key of word i.
 _UNPACK_PTX = tl.constexpr("{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $2, 0, 0x3120; mov.b32 {lo, hi}, t; "
-               "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }")
+                           "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }")
 
 
 @triton.jit
