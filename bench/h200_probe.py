@@ -19,7 +19,8 @@ model/fused.py driven directly over a hand-built paged cache.
      (norm) RMSNorm at one token by warp count, with and without split-K partials; (pdl) the forward's graph
      replay captured with and without programmatic dependent launch, by batch, and both graphs' logits;
   8. (fp8kv) the whole forward's graph replay with the KV cache in FP8 vs bf16, by batch and context;
-     (fp8tune) the decode attention over an FP8 cache by the split kernel's tile (keys, warps, stages).
+     (fp8tune) the decode attention over an FP8 cache by the split kernel's tile (keys, warps, stages, ...) and
+     the V cache's layout (rows, or key pairs as the engine stores it).
 
     python -m bench.h200_probe --out $OUT [--phases gemv,batch1,...,pdl,fp8kv,fp8tune]
 
