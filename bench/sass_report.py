@@ -38,7 +38,7 @@ def compile_tile(tile: tuple, cache: str = "fp8e4nv", new_token: bool = True, nu
                  pairs: bool | None = None):
     """The split kernel for Llama-3.1-8B's heads (4 query heads per KV head, head_dim 128, page 16); pairs: an FP8
     V cache in key pairs (None: as the engine stores it)."""
-    block_n, warps, stages, f16_dot, max_regs, asm = tuple(tile) + (False,) * (6 - len(tile))
+    block_n, warps, stages, f16_dot, max_regs, asm = decode_attention.full_tile(tile)
     pairs = cache == "fp8e4nv" if pairs is None else pairs
     kernel = decode_attention._decode_split_kernel
     names = kernel.arg_names

@@ -6,6 +6,7 @@ import socket
 from dataclasses import dataclass, field
 
 from services.gpu_worker.engine_config import KV_CACHE_DTYPES, EngineConfig
+from services.gpu_worker.kv_cache import check_page_size
 
 ROLES = ("mixed", "prefill", "decode")
 
@@ -56,8 +57,8 @@ class WorkerConfig:
             raise ValueError("heartbeat_interval_s must be > 0")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be auto or fp8, not {self.kv_cache_dtype!r}")
-        if KV_CACHE_DTYPES[self.kv_cache_dtype] is not None and self.page_size % 2:
-            raise ValueError(f"an FP8 KV cache stores V in key pairs: page_size must be even, not {self.page_size}")
+        if KV_CACHE_DTYPES[self.kv_cache_dtype] is not None:
+            check_page_size(KV_CACHE_DTYPES[self.kv_cache_dtype], self.page_size)
         if self.kv_transfer not in ("auto", "shm", "cuda_ipc", "stream"):
             raise ValueError(f"kv_transfer must be auto, shm, cuda_ipc or stream, not {self.kv_transfer!r}")
         if self.lease_ttl_s <= 0 or self.num_pull_threads < 1:

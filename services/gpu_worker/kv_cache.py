@@ -11,9 +11,8 @@ gathers those byte by byte from shared memory; from pairs one 16-bit transposed 
 the H200 (bench/sass_report.py), the decode loop over 128 keys trades 148 shared-memory reads for about as many
 integer operations (3 % fewer instructions in all), 24 % fewer instructions with v_pairs.py's unpacking assembly
 (docs/PERFORMANCE.md, "Offline: the FP8 V cache in key pairs"; the GPU's timings decide). K is read as rows (Q·Kᵀ
-wants D contiguous).
-Pages still move whole (prefix copies, PD transfers), and both ends of a transfer share the dtype, hence the
-layout. v_rows() gives the rows back, for the torch paths and the references.
+wants D contiguous). Pages still move whole (prefix copies, PD transfers), and both ends of a transfer share the
+dtype, hence the layout. v_rows() gives the rows back, for the torch paths and the references.
 """
 from __future__ import annotations
 
@@ -31,8 +30,7 @@ class KVCache:
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
-        if is_v_pairs(dtype) and page_size % 2:
-            raise ValueError(f"an FP8 KV cache stores V in key pairs: page_size must be even, not {page_size}")
+        check_page_size(dtype, page_size)
         shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, P, S, KVH, D]
         self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, P, S, KVH, D]
@@ -64,6 +62,12 @@ FP8_DTYPES = (torch.float8_e4m3fn,)
 def is_v_pairs(dtype: torch.dtype) -> bool:
     """Whether a V cache of this dtype stores its keys in pairs (the module's docstring): FP8 ones do."""
     return dtype in FP8_DTYPES
+
+
+def check_page_size(dtype: torch.dtype, page_size: int) -> None:
+    """Raises ValueError where a cache of this dtype cannot have pages of this size (key pairs need an even one)."""
+    if is_v_pairs(dtype) and page_size % 2:
+        raise ValueError(f"an FP8 KV cache stores V in key pairs: page_size must be even, not {page_size}")
 
 
 def write_slots(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,

@@ -47,19 +47,27 @@ TILE = (BLOCK_N, 4, 2, False, 0, False)
 TILE_FP8 = (128, 4, 2, True, 0, False)
 
 
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as triton.jit does
+
+
+def full_tile(tile: tuple) -> tuple[int, int, int, bool, int, bool]:
+    """A tile of five fields (no assembly unpacking) or six, as six."""
+    return tuple(tile) + (False,) * (6 - len(tile))
+
+
 def parse_tile(text: str) -> tuple[int, int, int, bool, int, bool]:
     """A tile from "keys,warps,stages,fp16_dots,max_regs[,asm_unpack]" (flags 0 or 1), as the benchmarks' flags
     give it."""
     fields = [int(x) for x in text.split(",")]
     if len(fields) not in (5, 6):
         raise ValueError(f"a tile is keys,warps,stages,fp16_dots,max_regs[,asm_unpack], not {text!r}")
-    block_n, warps, stages, f16_dot, max_regs, asm = fields + [0] * (6 - len(fields))
+    block_n, warps, stages, f16_dot, max_regs, asm = full_tile(fields)
     return block_n, warps, stages, bool(f16_dot), max_regs, bool(asm)
 
 
 def tile_name(tile: tuple) -> str:
     """A short label of a tile for the benchmarks' records, e.g. 128x4w2s_f16dot_r128_asm."""
-    block_n, warps, stages, f16_dot, max_regs, asm = tuple(tile) + (False,) * (6 - len(tile))
+    block_n, warps, stages, f16_dot, max_regs, asm = full_tile(tile)
     return (f"{block_n}x{warps}w{stages}s" + ("_f16dot" if f16_dot else "") + (f"_r{max_regs}" if max_regs else "")
             + ("_asm" if asm else ""))
 
@@ -229,11 +237,11 @@ def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_toke
     else:
         part = lse = out
     k_new, v_new, positions, inv_freq, slots = new_token or (q, q, q, q, q)
-    tile = tuple(tile or (TILE_FP8 if k_cache.dtype in FP8_DTYPES else TILE))
-    block_n, num_warps, num_stages, f16_dot, max_regs, asm = tile + (False,) * (6 - len(tile))
+    block_n, num_warps, num_stages, f16_dot, max_regs, asm = full_tile(
+        tile or (TILE_FP8 if k_cache.dtype in FP8_DTYPES else TILE))
     pairs = is_v_pairs(v_cache.dtype) if pairs is None else pairs
     assert not pairs or (v_cache.dtype in FP8_DTYPES and page_size % 2 == 0)
-    asm = asm and pairs and f16_dot and os.environ.get("TRITON_INTERPRET") != "1"
+    asm = asm and pairs and f16_dot and not _INTERPRET
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, v_cache.view(torch.int16) if pairs else v_cache, page_table, seq_lens, out, part, lse,
         k_new, v_new, positions, inv_freq, slots, 1.0 / math.sqrt(head_dim),
