@@ -225,9 +225,9 @@ def prompts_for(num: int, length: int, vocab: int, seed: int) -> list[list[int]]
     return [[rng.randrange(vocab) for _ in range(length)] for _ in range(num)]
 
 
-# --decode-tile-fp8 auto's candidates: the default, the unpacking assembly, and 64 keys (128 registers) with and
-# without it (docs/PERFORMANCE.md, "Offline: the FP8 V cache in key pairs")
-AUTO_FP8_TILES = ((128, 4, 2, True, 0, False), (128, 4, 2, True, 0, True), (64, 4, 2, True, 0, True),
+# --decode-tile-fp8 auto's candidates: the default (with the unpacking assembly), without it, and 64 keys (128
+# registers) with and without it (docs/PERFORMANCE.md, "Offline: the FP8 V cache in key pairs")
+AUTO_FP8_TILES = ((128, 4, 2, True, 0, True), (128, 4, 2, True, 0, False), (64, 4, 2, True, 0, True),
                   (64, 4, 2, True, 0, False))
 
 
@@ -266,14 +266,16 @@ def main() -> int:
     p.add_argument("--pdl", default="off", help="EngineConfig.pdl: off, auto or on")
     p.add_argument("--kv-cache-dtype", default="auto", help="EngineConfig.kv_cache_dtype: auto or fp8")
     p.add_argument("--decode-tile-fp8", default="",
-                   help="replaces decode_attention.TILE_FP8: keys,warps,stages,fp16_dots,max_regs[,asm_unpack] "
-                        "(e.g. 128,4,3,1,128 or 128,4,2,1,0,1); auto: the fastest of AUTO_FP8_TILES whose output "
-                        "matches the default's, timed at W1's largest max_num_seqs x 1504 keys before the model loads")
+                   help="replaces decode_attention.TILE_FP8 and TILE_FP8_FEW: "
+                        "keys,warps,stages,fp16_dots,max_regs[,asm_unpack] (e.g. 128,4,3,1,128 or 128,4,2,1,0,1); "
+                        "auto: the fastest of AUTO_FP8_TILES whose output "
+                        "matches the default's, timed at W1's largest max_num_seqs x 1504 keys before the model loads, "
+                        "replaces TILE_FP8 only")
     args = p.parse_args()
     from services.gpu_worker.kernels import decode_attention
 
     if args.decode_tile_fp8 and args.decode_tile_fp8 != "auto":
-        decode_attention.TILE_FP8 = decode_attention.parse_tile(args.decode_tile_fp8)
+        decode_attention.TILE_FP8 = decode_attention.TILE_FP8_FEW = decode_attention.parse_tile(args.decode_tile_fp8)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     suite = Suite(out, args.time_budget_s)
@@ -314,6 +316,8 @@ def main() -> int:
                                 "pdl": pdl.is_enabled(), "kv_cache_dtype": str(engine.kv.dtype),
                                 "v_cache_layout": "key pairs" if is_v_pairs(engine.kv.dtype) else "rows",
                                 "decode_tile": decode_attention.TILE, "decode_tile_fp8": decode_attention.TILE_FP8,
+                                "decode_tile_fp8_few": decode_attention.TILE_FP8_FEW,
+                                "decode_tile_fp8_few_programs": decode_attention.FEW_PROGRAMS,
                                 "graph_buckets": engine.graphs.buckets, "graph_replay_ms_1token_ctx": replay,
                                 "weights_roofline_ms": round(WEIGHT_BYTES / (copy_tbs * 1e12) * 1e3, 3)})
 

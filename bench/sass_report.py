@@ -114,8 +114,8 @@ def main() -> int:
                    help="an FP8 cache's V: in key pairs (the engine's), rows, or both (default)")
     p.add_argument("--json", action="store_true", help="one JSON object a line")
     args = p.parse_args()
-    plan = {"fp8e4nv": [decode_attention.TILE_FP8, (128, 4, 2, True, 0, True), (64, 4, 2, True, 0),
-                        (64, 4, 2, True, 0, True), (128, 4, 2, True, 128)],
+    plan = {"fp8e4nv": [decode_attention.TILE_FP8, decode_attention.TILE_FP8_FEW, (128, 4, 2, True, 0),
+                        (64, 4, 2, True, 0), (64, 4, 2, True, 0, True), (128, 4, 2, True, 128)],
             "bf16": [decode_attention.TILE, (64, 4, 5, False, 0)]}
     if args.tiles:
         plan = {cache: [decode_attention.parse_tile(t) for t in args.tiles] for cache in plan}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.gpu_worker.kernels import decode_attention as da
 from services.gpu_worker.kernels.decode_attention import decode_attention, decode_attention_ref, decode_attention_rope
 from services.gpu_worker.kernels.extend_attention import extend_attention, extend_attention_ref
 from services.gpu_worker.kernels.rope import rope_ref
@@ -35,6 +36,17 @@ def test_decode_reads_the_fp8_cache_as_its_dequantized_values(num_splits, tile):
     ref = decode_attention_ref(q, k.float(), v_rows(v).float(), table, lens)
     assert rel_err(out, ref) < 2e-3
     assert rel_err(decode_attention(q, k, v_rows(v), table, lens, num_splits, tile=tile, v_pairs=False), ref) < 2e-3
+
+
+def test_the_default_tile_caps_registers_for_an_fp8_launch_of_few_programs():
+    """Measured on the H200 (decode_attention.py's notes): the capped tile for one split and few programs only."""
+    assert da.default_tile(torch.bfloat16, 64, 8, 1) == da.TILE
+    assert da.default_tile(FP8, 64, 8, 1) == da.TILE_FP8_FEW
+    assert da.default_tile(FP8, da.FEW_PROGRAMS // 8, 8, 1) == da.TILE_FP8_FEW
+    assert da.default_tile(FP8, da.FEW_PROGRAMS // 8 + 1, 8, 1) == da.TILE_FP8
+    assert da.default_tile(FP8, 1, 8, 32) == da.TILE_FP8
+    assert da.TILE_FP8_FEW[4] and not da.TILE_FP8[4]  # the cap is the only difference
+    assert da.TILE_FP8_FEW[:4] + da.TILE_FP8_FEW[5:] == da.TILE_FP8[:4] + da.TILE_FP8[5:]
 
 
 def test_a_stale_nan_beside_the_last_key_stays_out():

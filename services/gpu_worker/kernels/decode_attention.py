@@ -42,9 +42,15 @@ MAX_SPLITS = 32
 # registers but a round trip through shared memory: 30 % slower); a 128-register cap (faster at 64 sequences,
 # slower at 384). docs/PERFORMANCE.md, "Twenty-first to twenty-third runs".
 # The sixth field, for an FP8 cache in key pairs with fp16 dots: unpack V's words with v_pairs._UNPACK_PTX instead
-# of Triton's conversion (fewer instructions; on the GPU only: under the interpreter it falls back).
+# of Triton's conversion (fewer instructions; on the GPU only: under the interpreter it falls back). On the H200
+# (run 24) it took 32 layers at 384 sequences × 1504 keys from 11.06 to 10.75 ms, and 512 from 14.57 to 13.72.
+# TILE_FP8_FEW: the FP8 tile with a 128-register cap, four programs per SM instead of three, for a launch of one
+# split and at most FEW_PROGRAMS programs, where the last wave is a large share of the work: at 64 sequences (512
+# programs) 1.87 against 2.48 ms, 128: 1.77 against 1.90, 256: 7.27 against 7.33; at 384 they tie (10.76, 10.75).
 TILE = (BLOCK_N, 4, 2, False, 0, False)
-TILE_FP8 = (128, 4, 2, True, 0, False)
+TILE_FP8 = (128, 4, 2, True, 0, True)
+TILE_FP8_FEW = (128, 4, 2, True, 128, True)
+FEW_PROGRAMS = 2048
 
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as triton.jit does
@@ -53,6 +59,14 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as triton.j
 def full_tile(tile: tuple) -> tuple[int, int, int, bool, int, bool]:
     """A tile of five fields (no assembly unpacking) or six, as six."""
     return tuple(tile) + (False,) * (6 - len(tile))
+
+
+def default_tile(cache_dtype: torch.dtype, num_seqs: int, num_kv_heads: int, num_splits: int) -> tuple:
+    """The split kernel's tile for a launch over a cache of this dtype: TILE, TILE_FP8, or TILE_FP8_FEW for an FP8
+    launch of one split and at most FEW_PROGRAMS programs (the notes above TILE say why)."""
+    if cache_dtype not in FP8_DTYPES:
+        return TILE
+    return TILE_FP8_FEW if num_splits == 1 and num_seqs * num_kv_heads <= FEW_PROGRAMS else TILE_FP8
 
 
 def parse_tile(text: str) -> tuple[int, int, int, bool, int, bool]:
@@ -238,7 +252,7 @@ def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_toke
         part = lse = out
     k_new, v_new, positions, inv_freq, slots = new_token or (q, q, q, q, q)
     block_n, num_warps, num_stages, f16_dot, max_regs, asm = full_tile(
-        tile or (TILE_FP8 if k_cache.dtype in FP8_DTYPES else TILE))
+        tile or default_tile(k_cache.dtype, num_seqs, num_kv_heads, num_splits))
     pairs = is_v_pairs(v_cache.dtype) if pairs is None else pairs
     assert not pairs or (v_cache.dtype in FP8_DTYPES and page_size % 2 == 0)
     asm = asm and pairs and f16_dot and not _INTERPRET
@@ -264,8 +278,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """q: [B, H, D]; k_cache, v_cache: [P, S, KVH, D]; page_table: [B, max_pages] int32; seq_lens: [B] (≥ 1).
 
     Returns out [B, H, D]: softmax(q·Kᵀ/√D)·V over each sequence's keys [0, seq_len). tile: (keys per tile,
-    warps, stages, fp16 dots, register cap or 0[, asm unpack]) of the split kernel; None: TILE, or TILE_FP8 for
-    an FP8 cache. v_pairs: whether v_cache holds its keys in pairs (v_pairs.py); None: kv_cache.is_v_pairs.
+    warps, stages, fp16 dots, register cap or 0[, asm unpack]) of the split kernel; None: default_tile's.
+    v_pairs: whether v_cache holds its keys in pairs (v_pairs.py); None: kv_cache.is_v_pairs.
     """
     return _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, None, tile, v_pairs)
 
