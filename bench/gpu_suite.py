@@ -257,7 +257,8 @@ def main() -> int:
     p.add_argument("--w0-requests", type=int, default=128)
     p.add_argument("--w1-requests", type=int, default=1000)
     p.add_argument("--w1-max-seqs", default="256",
-                   help="max_num_seqs of W1; a comma-separated list runs W1 once per value, in turn, on one engine")
+                   help="max_num_seqs of W1; a comma-separated list runs W1 once per value, in turn, on one engine "
+                        "(a value given twice runs twice)")
     p.add_argument("--w1-warmup-requests", type=int, default=0,
                    help="untimed W1-shaped requests (1000 → 8 tokens) before W1, at its largest max_num_seqs: a "
                         "first W1 on an engine spent 1.5-3.7 s more in its steps with prefill (docs/PERFORMANCE.md)")
@@ -355,7 +356,11 @@ def main() -> int:
         engine.policy.max_num_seqs = max(w1_seqs)
         warm = run_timed(engine, prompts_for(args.w1_warmup_requests, 1000, vocab, 3), 8)
         suite.save("w1_warmup", {"requests": args.w1_warmup_requests, "seconds": round(warm["seconds"], 2)})
-    for max_seqs in w1_seqs:
+    # A repeated value runs again on the same engine: its record's key gets the run's number (W1 moved by 6 %
+    # between device calls, docs/PERFORMANCE.md "Twenty-fourth to twenty-seventh runs")
+    names = [f"w1_max_seqs_{m}" + (f"_run{w1_seqs[:i + 1].count(m)}" if w1_seqs.count(m) > 1 else "")
+             for i, m in enumerate(w1_seqs)]
+    for max_seqs, name in zip(w1_seqs, names):
         engine.policy.max_num_seqs = max_seqs
         preempted = engine.policy.num_preemptions
         w1 = run_timed(engine, w1_prompts, 1000, deadline=deadline)
@@ -364,7 +369,7 @@ def main() -> int:
         w1_fig["decode_steps_seconds"] = round(sum(dt for _, _, dt in w1["decode_steps"]), 3)
         w1_fig["num_requests"], w1_fig["max_num_seqs"] = args.w1_requests, max_seqs
         w1_fig["num_preemptions"] = engine.policy.num_preemptions - preempted
-        suite.save("w1" if len(w1_seqs) == 1 else f"w1_max_seqs_{max_seqs}", w1_fig)
+        suite.save("w1" if len(w1_seqs) == 1 else name, w1_fig)
     print(json.dumps({k: v for k, v in suite.record["phases"].items() if k != "kernels"}, indent=1, default=str)[:6000])
     return 0
 
