@@ -41,6 +41,33 @@ class Suite:
         print(f"[{self.elapsed():6.1f}s] {name}: {json.dumps(figures, default=str)[:1500]}", flush=True)
 
 
+class JitCompiles:
+    """The Triton kernels compiled (missed in memory) since the last take(), and the seconds spent: a timed run that
+    compiles pays for it. W1 moved by 6 % between device calls, most of it in its steps with prefill
+    (docs/PERFORMANCE.md, "Twenty-fourth to twenty-seventh runs"); this says whether compiling is part of it."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.seconds, self._started = 0.0, 0.0
+        try:
+            from triton import knobs
+        except ImportError:  # a Triton without hooks: nothing is counted
+            return
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._before, self._after
+
+    def _before(self, *, fn, **_) -> None:  # must return a falsy value, or Triton skips the compilation
+        self.counts[fn.name] = self.counts.get(fn.name, 0) + 1
+        self._started = time.perf_counter()
+
+    def _after(self, **_) -> None:
+        self.seconds += time.perf_counter() - self._started
+
+    def take(self) -> dict:
+        taken = {"kernels": dict(sorted(self.counts.items())), "seconds": round(self.seconds, 2)}
+        self.counts, self.seconds = {}, 0.0
+        return taken
+
+
 def run_gpu_tests(out: Path) -> dict:
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/kernels", "-p", "no:cacheprovider",
                            "-o", "timeout=300"],
@@ -281,6 +308,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     suite = Suite(out, args.time_budget_s)
+    jit = JitCompiles()
     if not args.skip_tests:
         suite.save("gpu_tests", run_gpu_tests(out))
     kernels = kernel_bandwidth()
@@ -334,15 +362,20 @@ def main() -> int:
             "tpot_ms": round(tpot * 1e3, 3), "tok_s": round(1 / tpot, 1), "roofline_ms": 3.76,
             "tpot_over_roofline": round(tpot * 1e3 / 3.76, 3),
             **summarise_steps(b1["decode_steps"], copy_tbs, kv_bytes)}
+    batch1["jit_compiles_since_start"] = jit.take()
     suite.save("batch1_decode", batch1)
 
     w0_fig: dict = {"transformers": peer}
     for overlap, repeats in ((True, 2), (False, 1)):
         engine.is_overlapped = overlap
-        runs = [run_timed(engine, w0_prompts, 256) for _ in range(repeats)]
+        runs, compiles = [], []
+        for _ in range(repeats):
+            runs.append(run_timed(engine, w0_prompts, 256))
+            compiles.append(jit.take())
         best = sorted(runs, key=lambda r: r["seconds"])[0]
         w0_fig["overlap" if overlap else "serial"] = {
             **{k: v for k, v in best.items() if k != "decode_steps"}, "all_seconds": [r["seconds"] for r in runs],
+            "jit_compiles": compiles,
             "decode_steps_seconds": round(sum(dt for _, _, dt in best["decode_steps"]), 3),
             **summarise_steps(best["decode_steps"], copy_tbs, kv_bytes)}
     w0_fig["ratio_vs_peer_median"] = round(w0_fig["overlap"]["output_tok_s"] / peer["median_output_tok_s"], 2)
@@ -355,7 +388,8 @@ def main() -> int:
     if args.w1_warmup_requests:
         engine.policy.max_num_seqs = max(w1_seqs)
         warm = run_timed(engine, prompts_for(args.w1_warmup_requests, 1000, vocab, 3), 8)
-        suite.save("w1_warmup", {"requests": args.w1_warmup_requests, "seconds": round(warm["seconds"], 2)})
+        suite.save("w1_warmup", {"requests": args.w1_warmup_requests, "seconds": round(warm["seconds"], 2),
+                                 "jit_compiles": jit.take()})
     # A repeated value runs again on the same engine: its record's key gets the run's number (W1 moved by 6 %
     # between device calls, docs/PERFORMANCE.md "Twenty-fourth to twenty-seventh runs")
     names = [f"w1_max_seqs_{m}" + (f"_run{w1_seqs[:i + 1].count(m)}" if w1_seqs.count(m) > 1 else "")
@@ -369,6 +403,7 @@ def main() -> int:
         w1_fig["decode_steps_seconds"] = round(sum(dt for _, _, dt in w1["decode_steps"]), 3)
         w1_fig["num_requests"], w1_fig["max_num_seqs"] = args.w1_requests, max_seqs
         w1_fig["num_preemptions"] = engine.policy.num_preemptions - preempted
+        w1_fig["jit_compiles"] = jit.take()
         suite.save("w1" if len(w1_seqs) == 1 else name, w1_fig)
     print(json.dumps({k: v for k, v in suite.record["phases"].items() if k != "kernels"}, indent=1, default=str)[:6000])
     return 0
