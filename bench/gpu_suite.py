@@ -297,8 +297,8 @@ def main() -> int:
     p.add_argument("--decode-tile-fp8", default="",
                    help="replaces decode_attention.TILE_FP8 and TILE_FP8_FEW: "
                         "keys,warps,stages,fp16_dots,max_regs[,asm_unpack] (e.g. 128,4,3,1,128 or 128,4,2,1,0,1); "
-                        "auto: the fastest of AUTO_FP8_TILES whose output "
-                        "matches the default's, timed at W1's largest max_num_seqs x 1504 keys before the model loads, "
+                        "auto: the fastest of AUTO_FP8_TILES whose output matches the first's (Triton's own "
+                        "conversion), timed at W1's largest max_num_seqs x 1504 keys before the model loads; it "
                         "replaces TILE_FP8 only")
     args = p.parse_args()
     from services.gpu_worker.kernels import decode_attention
