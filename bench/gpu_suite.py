@@ -152,14 +152,15 @@ def _row(num_bytes: float, seconds: float) -> dict:
 
 
 def make_engine(loaded, max_num_seqs: int, chunk: int, graphs: bool = True, staging: str = "stream",
-                pdl: str = "off", kv_cache_dtype: str = "auto"):
+                pdl: str = "off", kv_cache_dtype: str = "auto", l2_prefetch: str | None = None):
     from services.gpu_worker.engine import Engine
     from services.gpu_worker.engine_config import EngineConfig
 
     config = EngineConfig(model="random:llama3-8b", device="cuda", dtype="bfloat16", max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=chunk, max_model_len=4096, enable_prefix_cache=False,
                           enable_cuda_graphs=graphs, cuda_graph_staging=staging, pdl=pdl,
-                          kv_cache_dtype=kv_cache_dtype)
+                          kv_cache_dtype=kv_cache_dtype,
+                          **({} if l2_prefetch is None else {"l2_prefetch": l2_prefetch}))
     return Engine(config, loaded=loaded)
 
 
@@ -294,6 +295,7 @@ def main() -> int:
     p.add_argument("--graph-staging", default="stream", help="EngineConfig.cuda_graph_staging")
     p.add_argument("--pdl", default="off", help="EngineConfig.pdl: off, auto or on")
     p.add_argument("--kv-cache-dtype", default="auto", help="EngineConfig.kv_cache_dtype: auto or fp8")
+    p.add_argument("--l2-prefetch", default=None, help="EngineConfig.l2_prefetch: off, auto or on (default: its own)")
     p.add_argument("--decode-tile-fp8", default="",
                    help="replaces decode_attention.TILE_FP8 and TILE_FP8_FEW: "
                         "keys,warps,stages,fp16_dots,max_regs[,asm_unpack] (e.g. 128,4,3,1,128 or 128,4,2,1,0,1); "
@@ -335,7 +337,8 @@ def main() -> int:
 
     t0 = time.perf_counter()
     engine = make_engine(loaded, max_num_seqs=max(args.w0_requests, *w1_seqs), chunk=args.chunk,
-                         staging=args.graph_staging, pdl=args.pdl, kv_cache_dtype=args.kv_cache_dtype)
+                         staging=args.graph_staging, pdl=args.pdl, kv_cache_dtype=args.kv_cache_dtype,
+                         l2_prefetch=args.l2_prefetch)
     setup_s = time.perf_counter() - t0
     kv_bytes = KV_BYTES_PER_TOKEN * engine.kv.k.element_size() // 2  # the constant is bf16's
     replay = {b: round(graph_replay_ms(engine, b), 3) for b in (1, 8, 64, 128, 256) if b in engine.graphs.graphs}
@@ -344,6 +347,8 @@ def main() -> int:
 
     suite.save("engine_setup", {"seconds_incl_graph_capture": round(setup_s, 1), "num_pages": engine.num_pages,
                                 "pdl": pdl.is_enabled(), "kv_cache_dtype": str(engine.kv.dtype),
+                                "l2_prefetch": (None if engine.model.l2_prefetcher is None
+                                                else str(engine.model.l2_prefetcher.config)),
                                 "v_cache_layout": "key pairs" if is_v_pairs(engine.kv.dtype) else "rows",
                                 "decode_tile": decode_attention.TILE, "decode_tile_fp8": decode_attention.TILE_FP8,
                                 "decode_tile_fp8_few": decode_attention.TILE_FP8_FEW,

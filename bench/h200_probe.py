@@ -30,10 +30,12 @@ rope_kv_write_ and decode kernels (TritonAttention(fuse_decode=False)), in the s
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -42,7 +44,7 @@ import torch.nn.functional as F
 from bench.gpu_suite import make_engine, prompts_for, run_timed, time_gpu
 from services.gpu_worker.attention.base import AttentionMetadata
 from services.gpu_worker.attention.triton_backend import TritonAttention
-from services.gpu_worker.kernels import pdl
+from services.gpu_worker.kernels import l2_prefetch, pdl
 from services.gpu_worker.kernels.decode_attention import (decode_attention, decode_attention_rope, num_splits_for,
                                                            parse_tile, tile_name)
 from services.gpu_worker.kernels.rms_norm import rms_norm
@@ -54,6 +56,19 @@ from services.gpu_worker.model.llama import LlamaForCausalLM
 from services.gpu_worker.model.presets import preset
 
 PAGE = 16
+# phase l2pf: prefetch configs (kernels/l2_prefetch.PrefetchConfig fields) timed against no prefetch at batch 1
+L2PF_VARIANTS = {
+    "cols4": {"mib": 4}, "cols16_1k": {"mib": 16, "chunk": 1024},
+    "rows4_64k": {"mib": 4, "layout": "rows", "chunk": 65536},
+    "rows8_64k": {"mib": 8, "layout": "rows", "chunk": 65536},
+    "rows16_64k": {"mib": 16, "layout": "rows", "chunk": 65536},
+    "rows32_64k": {"mib": 32, "layout": "rows", "chunk": 65536},
+    "rows16_8k": {"mib": 16, "layout": "rows", "chunk": 8192},
+    "rows16_64k_last": {"mib": 16, "layout": "rows", "chunk": 65536, "mode": "bulk_last"},
+    "rows8_64k_last": {"mib": 8, "layout": "rows", "chunk": 65536, "mode": "bulk_last"},
+    "o_rows32_64k": {"mib": 32, "layout": "rows", "chunk": 65536, "gemms": ("o",)},
+    "mlp_rows16_64k": {"mib": 16, "layout": "rows", "chunk": 65536, "gemms": ("gate_up", "down")},
+}
 
 
 def bench_ms(fn) -> float:
@@ -167,6 +182,25 @@ def profile_graph(graph: torch.cuda.CUDAGraph, out: Path, name: str) -> dict:
             "first_layer_sequence": [(e["name"][:50], round(e["dur"], 2)) for e in last[:16]]}
 
 
+def alternate_graphs(engine, variants: dict, rounds: int, steps: int) -> dict[str, list[float]]:
+    """The engine's decode steps with each of `variants` (label → DecodeGraphs) in turn, `rounds` times: ms per step
+    of each round, by label (the pipeline flushed and one step untimed at each switch)."""
+    step_ms: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(rounds):
+        for label, graphs in variants.items():
+            engine.flush()
+            engine.graphs = graphs
+            engine.step()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            torch.cuda.synchronize()
+            step_ms[label].append((time.perf_counter() - t0) / steps * 1e3)
+    engine.flush()
+    return step_ms
+
+
 def engine_batch1(out: Path) -> dict:
     """The engine's own batch-1 decode steps (overlap mode, one graph bucket) under the profiler: what the GPU
     runs besides the graph replay, and where it waits for the host."""
@@ -198,19 +232,7 @@ def engine_batch1(out: Path) -> dict:
     other.capture()
     variants["pdl_off" if own == "pdl_on" else "pdl_on"] = other
     pdl.set_enabled(own == "pdl_on")
-    step_ab: dict[str, list[float]] = {k: [] for k in variants}
-    for _ in range(3):
-        for label, graphs in variants.items():
-            engine.flush()
-            engine.graphs = graphs
-            engine.step()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(50):
-                engine.step()
-            torch.cuda.synchronize()
-            step_ab[label].append((time.perf_counter() - t0) / 50 * 1e3)
-    engine.flush()
+    step_ab = alternate_graphs(engine, variants, rounds=3, steps=50)
     engine.graphs = variants[own]
     steps = 20
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -249,6 +271,34 @@ def engine_batch1(out: Path) -> dict:
             "gaps_over_3us_per_step": per_step(gaps, 10),
             "non_layer_gpu_work_per_step": per_step(fam, 12),
             "host_calls_per_step_us": [(k, round(t, 1), round(n, 1)) for k, t, n in top_cpu]}
+
+
+def engine_batch1_prefetch(pcfg: l2_prefetch.PrefetchConfig, rounds: int = 5, steps: int = 60) -> dict:
+    """The engine's batch-1 decode steps (overlap mode, 512-token prompt) with its graph captured without and with
+    the L2 prefetch `pcfg`, in turn: `rounds` rounds of `steps` steps each."""
+    from services.gpu_worker.cuda_graphs import DecodeGraphs
+    from services.gpu_worker.model.loader import load_model
+    from services.gpu_worker.request import SamplingParams
+
+    loaded = load_model("random:llama3-8b", dtype=torch.bfloat16, device="cuda", seed=0)
+    engine = make_engine(loaded, max_num_seqs=1, chunk=8192)
+    loaded.state_dict.clear()
+    torch.cuda.empty_cache()
+    engine.add_request("p", list(range(100, 612)),
+                       SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True))
+    for _ in range(20):
+        engine.step()
+    variants = {"off": engine.graphs}
+    engine.model.l2_prefetcher = l2_prefetch.L2Prefetcher(pcfg, engine.device)
+    variants["on"] = DecodeGraphs(engine.model, engine.kv, engine.backend, 1, engine.max_seq_len)
+    variants["on"].capture()
+    engine.model.l2_prefetcher = None
+    step_ms = alternate_graphs(engine, variants, rounds, steps)
+    med = {k: sorted(v)[len(v) // 2] for k, v in step_ms.items()}
+    return {"config": str(pcfg),
+            "step_ms": {k: [round(x, 4) for x in v] for k, v in step_ms.items()},
+            "median_ms": {k: round(v, 4) for k, v in med.items()}, "on_over_off": round(med["on"] / med["off"], 4),
+            "tpot_over_roofline_on": round(med["on"] / 3.76, 4)}
 
 
 def w1_mixed_steps(num_requests: int) -> dict:
@@ -448,7 +498,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     p.add_argument("--phases", default="gemv,batch1,splits,micro,engine,mixed",
-                   help="comma-separated; also gemv_split, argmax, splitk, norm, pdl, fp8kv, fp8tune")
+                   help="comma-separated; also gemv_split, argmax, splitk, norm, pdl, fp8kv, fp8tune, l2pf, "
+                        "l2pf_engine")
     p.add_argument("--mixed-requests", type=int, default=1000, help="W1 requests for the mixed-steps phase")
     p.add_argument("--fp8tune-shapes", default="64x1504,384x1504", help="fp8tune: batch x context, comma-separated")
     p.add_argument("--fp8tune-tiles", default="",
@@ -491,7 +542,9 @@ def main() -> int:
     if "mixed" in phases:
         save("w1_mixed_steps", w1_mixed_steps(args.mixed_requests))
         torch.cuda.empty_cache()
-    if not phases & {"batch1", "splits", "micro", "splitk", "norm", "pdl", "fp8kv"}:
+    if not phases & {"batch1", "splits", "micro", "splitk", "norm", "pdl", "fp8kv", "l2pf"}:
+        if "l2pf_engine" in phases:
+            save("engine_batch1_l2_prefetch", engine_batch1_prefetch(l2_prefetch.DEFAULT_CONFIG))
         return 0
     cfg = preset("llama3-8b")
     torch.manual_seed(0)
@@ -638,6 +691,49 @@ def main() -> int:
                 del graphs, logits
         save("pdl", figp)
 
+    # 1e. L2 prefetch of each GEMM's leading weight bytes during the small kernels before it (kernels/l2_prefetch.py):
+    #     the whole forward + LM head captured with each prefetch config, replayed in turn (3 rounds); logits
+    #     compared with no prefetch; the batch-1 graph's profile with and without
+    if "l2pf" in phases:
+        figl: dict = {}
+        variants = {"off": None, **{label: l2_prefetch.PrefetchConfig(**kw) for label, kw in L2PF_VARIANTS.items()}}
+        with torch.inference_mode():
+            for batch, ctx in ((1, 640), (1, 4096), (8, 640), (32, 640)):
+                mb = Batch(batch, ctx, 1, width, "cuda")
+                if batch > 1:  # the default and the off graph only
+                    chosen = {k: v for k, v in variants.items() if k in ("off", "rows8_64k", "rows16_64k")}
+                else:
+                    chosen = variants
+                graphs, logits = {}, {}
+                for label, pcfg in chosen.items():
+                    model.l2_prefetcher = (None if pcfg is None else
+                                           l2_prefetch.L2Prefetcher(replace(pcfg, max_tokens=64), "cuda"))
+                    captured: dict = {}
+                    fn = full(mb)
+                    g = graph_of(lambda: captured.__setitem__("logits", fn()))
+                    g.replay()
+                    torch.cuda.synchronize()
+                    graphs[label], logits[label] = g, captured["logits"].clone()
+                model.l2_prefetcher = None
+                times: dict[str, list[float]] = {label: [] for label in graphs}
+                for _ in range(3):
+                    for label, g in graphs.items():
+                        times[label].append(bench_ms(g.replay))
+                row: dict = {f"{label}_ms": [round(t, 4) for t in ts] for label, ts in times.items()}
+                off = sorted(times["off"])[1]
+                for label in graphs:
+                    if label != "off":
+                        row[f"{label}_over_off"] = round(sorted(times[label])[1] / off, 4)
+                        row[f"{label}_same_logits"] = bool(torch.equal(logits["off"], logits[label]))
+                if batch == 1 and ctx == 640:
+                    best = min((lb for lb in graphs if lb != "off"), key=lambda lb: sorted(times[lb])[1])
+                    row["best"] = best
+                    row["profile_off"] = profile_graph(graphs["off"], out, "b1l2off")
+                    row["profile_best"] = profile_graph(graphs[best], out, "b1l2best")
+                figl[f"B{batch}_L{ctx}"] = row
+                save("l2_prefetch", figl)
+                del graphs, logits
+
     # 3. batch-1 decode attention by split count: 32 layers' caches in one graph
     fig3 = {}
     for ctx in ((640, 4096) if "splits" in phases else ()):
@@ -734,6 +830,14 @@ def main() -> int:
             row["kv_read_ms_at_copy_bf16"] = round(batch * ctx * 131072 / (copy_tbs * 1e12) * 1e3, 3)
             row["kv_read_ms_at_copy_fp8"] = round(batch * ctx * 65536 / (copy_tbs * 1e12) * 1e3, 3)
         save("fp8_kv_cache", figf)
+    if "l2pf_engine" in phases:  # the engine with phase l2pf's fastest batch-1 config (or the default)
+        pcfg = l2_prefetch.DEFAULT_CONFIG
+        if "l2pf" in phases:
+            pcfg = l2_prefetch.PrefetchConfig(**L2PF_VARIANTS[record["phases"]["l2_prefetch"]["B1_L640"]["best"]])
+        del model, kv
+        gc.collect()
+        torch.cuda.empty_cache()
+        save("engine_batch1_l2_prefetch", engine_batch1_prefetch(pcfg))
     return 0
 
 

@@ -165,6 +165,10 @@ class Engine:
         from services.gpu_worker.kernels import pdl
 
         pdl.set_enabled(pdl.resolve(config.pdl, self.device))
+        from services.gpu_worker.kernels import l2_prefetch
+
+        if l2_prefetch.resolve(config.l2_prefetch, self.device):
+            self.model.l2_prefetcher = l2_prefetch.L2Prefetcher(l2_prefetch.DEFAULT_CONFIG, self.device)
         if not config.enable_cuda_graphs or self.device.type != "cuda":
             return None
         from services.gpu_worker.cuda_graphs import DecodeGraphs

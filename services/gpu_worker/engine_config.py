@@ -35,6 +35,10 @@ class EngineConfig:
     # where the GPU has it, compute capability >= 9.0) or "on" (an error where it has not). Off by default:
     # on the H200 it made the batch-1 step slower (docs/PERFORMANCE.md).
     pdl: str = "off"
+    # L2 prefetch of each GEMM's leading weight bytes while the small kernels before it run, at steps of few tokens
+    # (kernels/l2_prefetch.py, DEFAULT_CONFIG): "off", "auto" (on where the GPU has it, compute capability >= 9.0)
+    # or "on" (an error where it has not). Off by default: on the H200 every setting made the step slower.
+    l2_prefetch: str = "off"
     seed: int = 0  # random weights' seed for random:<preset> models
     # The KV cache's dtype: "auto" (the model's dtype) or "fp8" (float8 e4m3, no scale: half the bytes per
     # token, so twice the tokens in the pool and half the KV reads of decode attention; not bit-exact to the
@@ -53,8 +57,9 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"not {self.kv_cache_dtype!r}")
-        if self.pdl not in ("auto", "on", "off"):
-            raise ValueError(f"pdl must be 'auto', 'on' or 'off', not {self.pdl!r}")
+        for name in ("pdl", "l2_prefetch"):
+            if getattr(self, name) not in ("auto", "on", "off"):
+                raise ValueError(f"{name} must be 'auto', 'on' or 'off', not {getattr(self, name)!r}")
 
     def resolved_device(self) -> str:
         if self.device == "auto":

@@ -13,8 +13,7 @@ from services.gpu_worker.engine import Engine
 from services.gpu_worker.engine_config import EngineConfig
 from services.gpu_worker.kernels import pdl
 from services.gpu_worker.model.loader import load_model
-from services.gpu_worker.request import SamplingParams
-from tests.kernels.helpers import gpu_only, random_paged_cache, randn
+from tests.kernels.helpers import engine_greedy_run, gpu_only, random_paged_cache, randn
 
 needs_pdl = pytest.mark.skipif(not (torch.cuda.is_available() and pdl.supported("cuda")),
                                reason="needs a CUDA device of compute capability >= 9.0")
@@ -129,15 +128,9 @@ def test_each_decode_kernel_after_a_gemm_gives_the_same_bits():
 def test_engine_gives_the_same_tokens_and_logprobs_with_and_without_pdl():
     """Graph steps of several batch sizes and eager mixed steps: PDL on and off give the very same bits."""
     loaded = load_model("random:qwen3-0.6b", dtype=torch.bfloat16, device="cuda", seed=3)
-    prompts = [[(i * 37 + j * 11) % loaded.config.vocab_size for j in range(20 + 13 * i)] for i in range(6)]
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
     runs = []
     for mode in ("off", "on"):
-        config = EngineConfig(model="random:qwen3-0.6b", device="cuda", dtype="bfloat16", num_pages=512,
-                              max_num_seqs=8, max_num_batched_tokens=64, pdl=mode)
-        engine = Engine(config, loaded=loaded)
+        _, tokens, logprobs = engine_greedy_run(loaded, pdl=mode)
         assert pdl.is_enabled() == (mode == "on")
-        results = [r.samples[0] for r in engine.generate(prompts, params)]
-        assert engine.graphs.num_replays > 0
-        runs.append(([s.token_ids for s in results], [[lp.logprob for lp in s.logprobs] for s in results]))
+        runs.append((tokens, logprobs))
     assert runs[0] == runs[1]

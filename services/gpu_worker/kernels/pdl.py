@@ -15,11 +15,11 @@ grid dependency control, so there PDL is always off.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from services.gpu_worker.kernels import hopper
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -35,19 +35,12 @@ _level = 0
 
 def supported(device: torch.device | str) -> bool:
     """PDL can run on this device: CUDA compute capability ≥ 9.0, compiled kernels (not the interpreter)."""
-    device = torch.device(device)
-    return (device.type == "cuda" and gdc_wait is not None and os.environ.get("TRITON_INTERPRET") != "1"
-            and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= 9)
+    return gdc_wait is not None and hopper.is_hopper(device)
 
 
 def resolve(mode: str, device: torch.device | str) -> bool:
     """EngineConfig.pdl → on/off: "auto" is on where supported; "on" where unsupported is an error."""
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"pdl must be 'auto', 'on' or 'off', not {mode!r}")
-    if mode == "on" and not supported(device):
-        raise ValueError(f"programmatic dependent launch needs a CUDA device of compute capability >= 9.0 "
-                         f"and compiled Triton kernels; {torch.device(device)} has not")
-    return mode == "on" or (mode == "auto" and supported(device))
+    return hopper.resolve(mode, "pdl", "programmatic dependent launch", mode != "off" and supported(device), device)
 
 
 def set_enabled(on: bool, level: int | None = None) -> None:

@@ -7,6 +7,9 @@ At M = 1 on the H200 that is 11.5 µs against F.linear's 13.9 µs for o_proj and
 (bench/h200_probe.py --phases gemv_split): cuBLAS's own choice for these shapes leaves SMs idle and adds a reduce
 kernel of its own.
 
+At small batches (model.l2_prefetcher set, kernels/l2_prefetch.py) a side stream asks the L2 for the leading bytes
+of each GEMM's weight while the small kernels before that GEMM run.
+
 Under tensor parallelism (model.tp set) the projections hold this rank's heads and MLP share, and the
 o_proj and down_proj outputs are summed over the ranks before the next RMSNorm+residual."""
 from __future__ import annotations
@@ -25,6 +28,7 @@ from services.gpu_worker.kernels.silu_mul import silu_mul
 from services.gpu_worker.kv_cache import KVCache
 
 if TYPE_CHECKING:
+    from services.gpu_worker.kernels.l2_prefetch import L2Prefetcher
     from services.gpu_worker.parallel.state import TensorParallelGroup
 
 SPLIT_K_PARTS = 4
@@ -68,13 +72,26 @@ def forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, 
         h = embedding_fed(model.model.embed_tokens.weight, input_ids, fed[0], fed[1])
     residual = None
     num_parts = SPLIT_K_PARTS if model.tp is None and input_ids.shape[0] <= model.split_k_max_tokens else 1
+    pf = model.l2_prefetcher
+    if pf is not None and not pf.active(input_ids.shape[0]):
+        pf = None
     for layer in model.model.layers:
+        if pf is not None:  # during the RMSNorm: the leading bytes of the q/k/v weight into L2
+            pf.issue("qkv", layer.self_attn.qkv_weight)
         x, residual = rms_norm(h, layer.input_layernorm.weight, eps, residual)
-        h = _attention(layer.self_attn, x, positions, model.inv_freq, cache, meta, backend, num_parts)
+        h = _attention(layer.self_attn, x, positions, model.inv_freq, cache, meta, backend, num_parts, pf)
+        if pf is not None:
+            pf.issue("gate_up", layer.mlp.gate_up_weight)
         x, residual = rms_norm(h, layer.post_attention_layernorm.weight, eps, residual)
         gate_up = F.linear(x, layer.mlp.gate_up_weight)  # [T, 2 I] (I: this rank's share under TP)
+        if pf is not None:  # during SiLU·mul
+            pf.issue("down", layer.mlp.down_proj.weight, num_parts)
         h = _reduce(_row_projection(silu_mul(gate_up), layer.mlp.down_proj.weight, num_parts), layer.mlp.tp)
+    if pf is not None:  # during the final norm: the LM head's (model.logits runs after the forward)
+        pf.issue("lm_head", model.lm_head.weight if hasattr(model, "lm_head") else model.model.embed_tokens.weight)
     out, _ = rms_norm(h, model.model.norm.weight, eps, residual)
+    if pf is not None:
+        pf.join()
     return out
 
 
@@ -91,10 +108,13 @@ def _row_projection(x: torch.Tensor, weight: torch.Tensor, num_parts: int) -> to
 
 
 def _attention(attn: nn.Module, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-               cache: KVCache, meta: AttentionMetadata, backend: AttentionBackend, num_parts: int) -> torch.Tensor:
+               cache: KVCache, meta: AttentionMetadata, backend: AttentionBackend, num_parts: int,
+               pf: L2Prefetcher | None = None) -> torch.Tensor:
     num_tokens = x.shape[0]
     num_heads, num_kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
     qkv = F.linear(x, attn.qkv_weight, attn.qkv_bias).view(num_tokens, num_heads + 2 * num_kv_heads, head_dim)
+    if pf is not None:  # during the attention: the leading bytes of o_proj's weight into L2
+        pf.issue("o", attn.o_proj.weight, num_parts)
     q = qkv[:, :num_heads]  # [T, H, D] views
     k = qkv[:, num_heads: num_heads + num_kv_heads]  # [T, KVH, D]
     v = qkv[:, num_heads + num_kv_heads:]  # [T, KVH, D]

@@ -125,6 +125,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("inv_freq", inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
                              persistent=False)
         self.is_fused = False
+        self.l2_prefetcher = None  # the fused forward's L2Prefetcher (kernels/l2_prefetch.py), set by the engine
 
     def enable_fused_kernels(self) -> None:
         """CUDA only: fused projections and the Triton RMSNorm/RoPE/SiLU·mul kernels (model/fused.py)."""
