@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from services.gpu_worker.parallel.state import TensorParallelGroup
 
 PENDING_TOKEN = -1  # placeholder in token_ids for a token sampled on the device, not yet read by the host
+TABLE_WIDTH_MULTIPLE = 16  # an eager step's page table is this many pages wide, or a multiple (Triton's specialization)
 
 
 @dataclass
@@ -427,7 +428,10 @@ class Engine:
             seq_lens.append(end)
             if item.is_sampling:
                 logit_rows.append(query_start[-1] - 1)
-        max_pages = max(len(item.seq.page_ids) for item in plan.items)
+        # the table's width rounded up to 16 pages: its row stride, a kernel argument, then always divides by 16, and
+        # Triton compiles the kernels once instead of once more each time the widest sequence crosses a multiple
+        widest = max(len(item.seq.page_ids) for item in plan.items)
+        max_pages = -(-widest // TABLE_WIDTH_MULTIPLE) * TABLE_WIDTH_MULTIPLE
         table = [item.seq.page_ids + [0] * (max_pages - len(item.seq.page_ids)) for item in plan.items]
         dev = self.device
         meta = AttentionMetadata(

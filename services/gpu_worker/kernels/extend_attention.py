@@ -19,7 +19,10 @@ from services.gpu_worker.kernels.decode_attention import attend_one
 from services.gpu_worker.kv_cache import is_v_pairs
 
 
-@triton.jit
+# The engine passes slices of its step's index tensors (query_start[n:], seq_lens[n:] after n leading decodes), which
+# start at any 4-byte boundary; the kernel loads one value of each per program, so their alignment is not
+# specialized on: one compile serves every n (bench/gpu_suite.py's jit_compiles saw up to 3 per run before)
+@triton.jit(do_not_specialize_on_alignment=["qstart_ptr", "seq_lens_ptr"])
 def _extend_kernel(q_ptr, k_ptr, v_ptr, vw_ptr, out_ptr, qstart_ptr, seq_lens_ptr, table_ptr, sm_scale,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_cs, stride_ch, stride_tb,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,

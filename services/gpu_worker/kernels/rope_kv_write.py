@@ -15,7 +15,9 @@ from services.gpu_worker.kernels.rope import _cos_sin, _rotate
 from services.gpu_worker.kv_cache import is_v_pairs
 
 
-@triton.jit
+# positions[n:] and slot_mapping[n:] (after a mixed step's n leading decodes) start at any 8-byte boundary; one value
+# of each is loaded per program, so their alignment is not specialized on (one compile for every n)
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])
 def _rope_kv_write_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
                           stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch,
                           num_q_heads, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
