@@ -136,6 +136,9 @@ class Engine:
         self.policy = BatchPolicy(self.pool, self.cache, config.page_size, config.max_num_batched_tokens,
                                   config.max_num_seqs, config.enable_chunked_prefill)
         self.backend = make_backend(config.attention_backend, self.device.type)
+        # positions and slots of eager steps: int32 for the Triton kernels, as in the CUDA graphs' buffers, so a mixed
+        # step's decodes reuse the graphs' compiles; torch's index_copy_ (the torch backend) takes int64 only
+        self._index_dtype = torch.int32 if self.backend.name == "triton" else torch.long
         self.graphs = self._setup_cuda_path(config)
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids)
@@ -435,7 +438,7 @@ class Engine:
         table = [item.seq.page_ids + [0] * (max_pages - len(item.seq.page_ids)) for item in plan.items]
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=to_device(slots, torch.long, dev),
+            slot_mapping=to_device(slots, self._index_dtype, dev),
             query_start=to_device(query_start, torch.int32, dev),
             seq_lens=to_device(seq_lens, torch.int32, dev),
             page_table=to_device(table, torch.int32, dev),
@@ -445,7 +448,7 @@ class Engine:
         pending = [(query_start[i + 1] - 1, item.seq.pending_row) for i, item in enumerate(plan.items)
                    if item.seq.num_pending and seq_lens[i] == item.seq.num_tokens]
         self._feed_pending(pending, ids)
-        hidden = self.model(ids, to_device(positions, torch.long, dev), self.kv, meta, self.backend)
+        hidden = self.model(ids, to_device(positions, self._index_dtype, dev), self.kv, meta, self.backend)
         if not logit_rows:
             return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32), None
         return self.model.logits(hidden[to_device(logit_rows, torch.long, dev)]), None

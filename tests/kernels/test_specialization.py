@@ -77,3 +77,9 @@ def test_mixed_steps_launch_each_kernel_configuration_under_one_specialization(l
                 first, *rest = sorted(keys, key=repr)
                 respecialized[kernel] = sorted({a[0] for k in rest for a, b in zip(k, first) if a != b})
     assert not respecialized, f"kernels compiled again for a runtime argument's change: {respecialized}"
+    # and the eager steps pass positions and slots as the CUDA graphs' int32 buffers do (cuda_graphs.py), so a mixed
+    # step's decodes run the decode kernel the graphs compiled (run 29 on the H200: 1-3 s of compiles before)
+    index_dtypes = {(kernel, a[0], a[1]) for kernel in ("_decode_split_kernel", "_rope_kv_write_kernel")
+                    for keys in launches[kernel].values() for key in keys for a in key
+                    if a[0] in ("pos_ptr", "slot_ptr")}
+    assert {d for _, _, d in index_dtypes} == {"torch.int32"}, index_dtypes
