@@ -20,9 +20,12 @@ model/fused.py driven directly over a hand-built paged cache.
      replay captured with and without programmatic dependent launch, by batch, and both graphs' logits;
   8. (fp8kv) the whole forward's graph replay with the KV cache in FP8 vs bf16, by batch and context;
      (fp8tune) the decode attention over an FP8 cache by the split kernel's tile (keys, warps, stages, ...) and
-     the V cache's layout (rows, or key pairs as the engine stores it).
+     the V cache's layout (rows, or key pairs as the engine stores it);
+  9. (l2pf) the whole forward's graph replay with each L2 prefetch configuration of L2PF_VARIANTS against none
+     (kernels/l2_prefetch.py), by batch and context, the logits compared, the batch-1 profiles; (l2pf_engine) the
+     engine's batch-1 steps with and without the fastest of them (or the default), in turn.
 
-    python -m bench.h200_probe --out $OUT [--phases gemv,batch1,...,pdl,fp8kv,fp8tune]
+    python -m bench.h200_probe --out $OUT [--phases gemv,batch1,...,pdl,fp8kv,fp8tune,l2pf,l2pf_engine]
 
 Phase 1 runs with the fused decode kernel (RoPE + KV write inside the split-K kernel) and with the separate
 rope_kv_write_ and decode kernels (TritonAttention(fuse_decode=False)), in the same run.
