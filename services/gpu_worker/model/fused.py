@@ -7,8 +7,9 @@ At M = 1 on the H200 that is 11.5 µs against F.linear's 13.9 µs for o_proj and
 (bench/h200_probe.py --phases gemv_split): cuBLAS's own choice for these shapes leaves SMs idle and adds a reduce
 kernel of its own.
 
-At small batches (model.l2_prefetcher set, kernels/l2_prefetch.py) a side stream asks the L2 for the leading bytes
-of each GEMM's weight while the small kernels before that GEMM run.
+With model.l2_prefetcher set (EngineConfig.l2_prefetch, off by default: slower on the H200), steps of few tokens
+have a side stream ask the L2 for the leading bytes of each GEMM's weight while the small kernels before that GEMM
+run (kernels/l2_prefetch.py).
 
 Under tensor parallelism (model.tp set) the projections hold this rank's heads and MLP share, and the
 o_proj and down_proj outputs are summed over the ranks before the next RMSNorm+residual."""
