@@ -81,10 +81,6 @@ class Region:
     def nbytes(self) -> int:
         return self.rows * self.segments * self.chunks_per_seg * self.chunk
 
-    @property
-    def num_chunks(self) -> int:
-        return self.rows * self.segments * self.chunks_per_seg
-
 
 def plan(shape: tuple[int, int], element_size: int, nbytes: int, layout: str, segments: int = 1,
          chunk: int = 256) -> Region | None:
