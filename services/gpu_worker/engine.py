@@ -150,6 +150,7 @@ class Engine:
         self._num_steps = 0
         self.is_overlapped = config.resolved_overlap()
         self._launched: LaunchedStep | None = None
+        self.warmup_seconds = self.warm_up() if config.resolved_warmup(self.backend.name) else 0.0
 
     def _join_tensor_parallel(self, config: EngineConfig) -> TensorParallelGroup | None:
         """tensor_parallel_size > 1: this process's TP group (parallel/state.py), and its rank's device."""
@@ -181,6 +182,27 @@ class Engine:
                               staging=config.cuda_graph_staging)
         graphs.capture()
         return graphs
+
+    def warm_up(self) -> float:
+        """Run a few steps of made-up requests so Triton compiles the eager path's kernels now rather than inside the
+        first requests served (each compile takes a second or more on the H200; the CUDA graphs' capture already
+        compiled the decode steps'). Prefill chunks above and below the split-K limit, mixed steps, decode steps;
+        then the prefix cache and its events, the step count and the graph replay count are as before. → seconds."""
+        start = time.perf_counter()
+        if self.max_seq_len < 16:  # a pool too small for the made-up requests
+            return 0.0
+        longest = min(64, self.config.max_num_batched_tokens, self.max_seq_len - 8)
+        vocab = self.model_config.vocab_size
+        prompts = [[1 + (7 * i + j) % (vocab - 1) for j in range(n)]
+                   for i, n in enumerate((longest, min(5, longest), longest // 2 + 1))]
+        self.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        if self.cache.num_cached_pages:
+            self.cache.clear()
+        self.cache.drain_events()
+        self._num_steps = 0
+        if self.graphs is not None:
+            self.graphs.num_replays = 0
+        return time.perf_counter() - start
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     is_prefill_only: bool = False) -> None:

@@ -47,6 +47,10 @@ class EngineConfig:
     # Queue step N+1 before reading step N's tokens (engine.step). None: on for CUDA, where the host's work
     # then hides behind the GPU's; off on the CPU, where it would only delay each token by one step.
     enable_overlap: bool | None = None
+    # Engine.warm_up at construction: made-up requests that make Triton compile the eager path's kernels before the
+    # first real one. None: on for the Triton backend on CUDA in a single-rank engine, where kernels compile; off
+    # elsewhere (the CPU interpreter compiles nothing, and tensor-parallel ranks step in lockstep from rank 0).
+    warmup: bool | None = None
     # Ranks of one engine (parallel/): each holds 1/tp of the heads and MLP and of the KV cache. 1: no
     # torch.distributed at all; > 1: the Engine must be built inside a rank (parallel.start_engine / launch).
     tensor_parallel_size: int = 1
@@ -57,6 +61,8 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"not {self.kv_cache_dtype!r}")
+        if self.warmup and self.tensor_parallel_size > 1:
+            raise ValueError("warmup runs on a single-rank engine only (tensor-parallel ranks step in lockstep)")
         for name in ("pdl", "l2_prefetch"):
             if getattr(self, name) not in ("auto", "on", "off"):
                 raise ValueError(f"{name} must be 'auto', 'on' or 'off', not {getattr(self, name)!r}")
@@ -70,6 +76,11 @@ class EngineConfig:
         if self.enable_overlap is None:
             return self.resolved_device().startswith("cuda")
         return self.enable_overlap
+
+    def resolved_warmup(self, backend: str) -> bool:
+        if self.warmup is None:
+            return backend == "triton" and self.resolved_device().startswith("cuda") and self.tensor_parallel_size == 1
+        return self.warmup
 
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype == "auto":

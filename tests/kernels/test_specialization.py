@@ -83,3 +83,31 @@ def test_mixed_steps_launch_each_kernel_configuration_under_one_specialization(l
                     for keys in launches[kernel].values() for key in keys for a in key
                     if a[0] in ("pos_ptr", "slot_ptr")}
     assert {d for _, _, d in index_dtypes} == {"torch.int32"}, index_dtypes
+
+
+def test_the_warm_up_launches_every_configuration_that_serving_then_uses(launches):
+    """Engine.warm_up (on by default on CUDA) runs the kernels' configurations before the first request: a workload
+    after it launches none it did not. The decode kernels are left out here: on the GPU the CUDA graphs' capture
+    compiles them for every batch size (their split count and tile follow the number of sequences), and the CPU
+    has no graphs."""
+    config = EngineConfig(model="random:tiny-llama", device="cpu", dtype="float32", num_pages=512, page_size=4,
+                          attention_backend="triton", max_num_seqs=6, max_num_batched_tokens=48, warmup=True)
+    engine = Engine(config, loaded=load_model("random:tiny-llama", dtype=torch.float32, seed=1))
+    assert engine.warmup_seconds > 0
+    stats = engine.stats()
+    assert (stats.num_steps, stats.num_cached_pages, stats.num_running, stats.num_waiting) == (0, 0, 0, 0)
+    assert stats.num_free_pages == stats.num_total_pages and engine.cache.drain_events() == []
+    warm = {(kernel, cfg) for kernel, configs in launches.items() for cfg in configs}
+    prompts = [[(i * 13 + j) % 200 + 3 for j in range(length)] for i, length in enumerate((3, 44, 90, 17, 31, 60))]
+    engine.generate(prompts, SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True))
+    later = {(kernel, cfg) for kernel, configs in launches.items() for cfg in configs}
+    missing = sorted(k for k, _ in later - warm if k not in ("_decode_split_kernel", "_decode_reduce_kernel"))
+    assert not missing, f"first launched after the warm-up: {missing}"
+
+
+def test_warmup_is_off_on_the_cpu_by_default_and_refused_under_tensor_parallelism():
+    assert not EngineConfig(device="cpu").resolved_warmup("triton")
+    assert not EngineConfig(device="cpu", warmup=None).resolved_warmup("torch")
+    assert EngineConfig(device="cpu", warmup=True).resolved_warmup("torch")
+    with pytest.raises(ValueError, match="single-rank"):
+        EngineConfig(warmup=True, tensor_parallel_size=2)
