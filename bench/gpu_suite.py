@@ -346,6 +346,7 @@ def main() -> int:
     from services.gpu_worker.kv_cache import is_v_pairs
 
     suite.save("engine_setup", {"seconds_incl_graph_capture": round(setup_s, 1), "num_pages": engine.num_pages,
+                                "warmup_seconds": round(engine.warmup_seconds, 2), "jit_compiles": jit.take(),
                                 "pdl": pdl.is_enabled(), "kv_cache_dtype": str(engine.kv.dtype),
                                 "l2_prefetch": (None if engine.model.l2_prefetcher is None
                                                 else str(engine.model.l2_prefetcher.config)),
