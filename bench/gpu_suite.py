@@ -152,15 +152,14 @@ def _row(num_bytes: float, seconds: float) -> dict:
 
 
 def make_engine(loaded, max_num_seqs: int, chunk: int, graphs: bool = True, staging: str = "stream",
-                pdl: str = "off", kv_cache_dtype: str = "auto", l2_prefetch: str | None = None):
+                pdl: str = "off", kv_cache_dtype: str = "auto", l2_prefetch: str = "off"):
     from services.gpu_worker.engine import Engine
     from services.gpu_worker.engine_config import EngineConfig
 
     config = EngineConfig(model="random:llama3-8b", device="cuda", dtype="bfloat16", max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=chunk, max_model_len=4096, enable_prefix_cache=False,
                           enable_cuda_graphs=graphs, cuda_graph_staging=staging, pdl=pdl,
-                          kv_cache_dtype=kv_cache_dtype,
-                          **({} if l2_prefetch is None else {"l2_prefetch": l2_prefetch}))
+                          kv_cache_dtype=kv_cache_dtype, l2_prefetch=l2_prefetch)
     return Engine(config, loaded=loaded)
 
 
@@ -295,7 +294,7 @@ def main() -> int:
     p.add_argument("--graph-staging", default="stream", help="EngineConfig.cuda_graph_staging")
     p.add_argument("--pdl", default="off", help="EngineConfig.pdl: off, auto or on")
     p.add_argument("--kv-cache-dtype", default="auto", help="EngineConfig.kv_cache_dtype: auto or fp8")
-    p.add_argument("--l2-prefetch", default=None, help="EngineConfig.l2_prefetch: off, auto or on (default: its own)")
+    p.add_argument("--l2-prefetch", default="off", help="EngineConfig.l2_prefetch: off, auto or on")
     p.add_argument("--decode-tile-fp8", default="",
                    help="replaces decode_attention.TILE_FP8 and TILE_FP8_FEW: "
                         "keys,warps,stages,fp16_dots,max_regs[,asm_unpack] (e.g. 128,4,3,1,128 or 128,4,2,1,0,1); "

@@ -24,7 +24,7 @@ from services.gpu_worker.kernels import l2_prefetch
 from services.gpu_worker.kernels.l2_prefetch import PrefetchConfig, Region, plan
 from services.gpu_worker.model.loader import load_model
 from services.gpu_worker.request import SamplingParams
-from tests.kernels.helpers import engine_greedy_run, gpu_only
+from tests.kernels.helpers import assert_switch_keeps_every_bit, gpu_only
 
 ROOT = Path(__file__).resolve().parents[2]
 needs_hopper = pytest.mark.skipif(not (torch.cuda.is_available() and l2_prefetch.supported("cuda")),
@@ -213,9 +213,8 @@ def test_the_forward_graph_gives_the_same_logits_with_the_prefetch():
 @needs_hopper
 def test_engine_gives_the_same_tokens_and_logprobs_with_and_without_the_prefetch():
     loaded = load_model("random:qwen3-0.6b", dtype=torch.bfloat16, device="cuda", seed=3)
-    runs = []
-    for mode in ("off", "on"):
-        engine, tokens, logprobs = engine_greedy_run(loaded, l2_prefetch=mode)
+
+    def check(engine, mode):
         assert (engine.model.l2_prefetcher is not None) == (mode == "on")
-        runs.append((tokens, logprobs))
-    assert runs[0] == runs[1]
+
+    assert_switch_keeps_every_bit(loaded, "l2_prefetch", check)

@@ -13,7 +13,7 @@ from services.gpu_worker.engine import Engine
 from services.gpu_worker.engine_config import EngineConfig
 from services.gpu_worker.kernels import pdl
 from services.gpu_worker.model.loader import load_model
-from tests.kernels.helpers import engine_greedy_run, gpu_only, random_paged_cache, randn
+from tests.kernels.helpers import assert_switch_keeps_every_bit, gpu_only, random_paged_cache, randn
 
 needs_pdl = pytest.mark.skipif(not (torch.cuda.is_available() and pdl.supported("cuda")),
                                reason="needs a CUDA device of compute capability >= 9.0")
@@ -128,9 +128,8 @@ def test_each_decode_kernel_after_a_gemm_gives_the_same_bits():
 def test_engine_gives_the_same_tokens_and_logprobs_with_and_without_pdl():
     """Graph steps of several batch sizes and eager mixed steps: PDL on and off give the very same bits."""
     loaded = load_model("random:qwen3-0.6b", dtype=torch.bfloat16, device="cuda", seed=3)
-    runs = []
-    for mode in ("off", "on"):
-        _, tokens, logprobs = engine_greedy_run(loaded, pdl=mode)
+
+    def check(engine, mode):
         assert pdl.is_enabled() == (mode == "on")
-        runs.append((tokens, logprobs))
-    assert runs[0] == runs[1]
+
+    assert_switch_keeps_every_bit(loaded, "pdl", check)

@@ -200,4 +200,15 @@ class L2Prefetcher:
             self._forked = False
 
 
+class NoPrefetch:
+    """The forward's prefetcher when there is none, or its step has too many tokens: asks for nothing."""
+
+    def issue(self, gemm: str, weight: torch.Tensor, segments: int = 1) -> None:
+        pass
+
+    def join(self) -> None:
+        pass
+
+
+NO_PREFETCH = NoPrefetch()
 DEFAULT_CONFIG = PrefetchConfig()  # the engine's (EngineConfig.l2_prefetch)

@@ -23,13 +23,13 @@ from torch import nn
 
 from services.gpu_worker.attention.base import AttentionBackend, AttentionMetadata
 from services.gpu_worker.kernels.embedding import embedding_fed
+from services.gpu_worker.kernels.l2_prefetch import NO_PREFETCH, L2Prefetcher, NoPrefetch
 from services.gpu_worker.kernels.rms_norm import rms_norm
 from services.gpu_worker.kernels.rope import rope_
 from services.gpu_worker.kernels.silu_mul import silu_mul
 from services.gpu_worker.kv_cache import KVCache
 
 if TYPE_CHECKING:
-    from services.gpu_worker.kernels.l2_prefetch import L2Prefetcher
     from services.gpu_worker.parallel.state import TensorParallelGroup
 
 SPLIT_K_PARTS = 4
@@ -74,25 +74,21 @@ def forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, 
     residual = None
     num_parts = SPLIT_K_PARTS if model.tp is None and input_ids.shape[0] <= model.split_k_max_tokens else 1
     pf = model.l2_prefetcher
-    if pf is not None and not pf.active(input_ids.shape[0]):
-        pf = None
+    if pf is None or not pf.active(input_ids.shape[0]):
+        pf = NO_PREFETCH
     for layer in model.model.layers:
-        if pf is not None:  # during the RMSNorm: the leading bytes of the q/k/v weight into L2
-            pf.issue("qkv", layer.self_attn.qkv_weight)
+        pf.issue("qkv", layer.self_attn.qkv_weight)  # during the RMSNorm: the q/k/v weight's leading bytes into L2
         x, residual = rms_norm(h, layer.input_layernorm.weight, eps, residual)
         h = _attention(layer.self_attn, x, positions, model.inv_freq, cache, meta, backend, num_parts, pf)
-        if pf is not None:
-            pf.issue("gate_up", layer.mlp.gate_up_weight)
+        pf.issue("gate_up", layer.mlp.gate_up_weight)
         x, residual = rms_norm(h, layer.post_attention_layernorm.weight, eps, residual)
         gate_up = F.linear(x, layer.mlp.gate_up_weight)  # [T, 2 I] (I: this rank's share under TP)
-        if pf is not None:  # during SiLU·mul
-            pf.issue("down", layer.mlp.down_proj.weight, num_parts)
+        pf.issue("down", layer.mlp.down_proj.weight, num_parts)  # during SiLU·mul
         h = _reduce(_row_projection(silu_mul(gate_up), layer.mlp.down_proj.weight, num_parts), layer.mlp.tp)
-    if pf is not None:  # during the final norm: the LM head's (model.logits runs after the forward)
-        pf.issue("lm_head", model.lm_head.weight if hasattr(model, "lm_head") else model.model.embed_tokens.weight)
+    # during the final norm: the LM head's (model.logits runs after the forward)
+    pf.issue("lm_head", model.lm_head.weight if hasattr(model, "lm_head") else model.model.embed_tokens.weight)
     out, _ = rms_norm(h, model.model.norm.weight, eps, residual)
-    if pf is not None:
-        pf.join()
+    pf.join()
     return out
 
 
@@ -110,12 +106,11 @@ def _row_projection(x: torch.Tensor, weight: torch.Tensor, num_parts: int) -> to
 
 def _attention(attn: nn.Module, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                cache: KVCache, meta: AttentionMetadata, backend: AttentionBackend, num_parts: int,
-               pf: L2Prefetcher | None = None) -> torch.Tensor:
+               pf: L2Prefetcher | NoPrefetch) -> torch.Tensor:
     num_tokens = x.shape[0]
     num_heads, num_kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
     qkv = F.linear(x, attn.qkv_weight, attn.qkv_bias).view(num_tokens, num_heads + 2 * num_kv_heads, head_dim)
-    if pf is not None:  # during the attention: the leading bytes of o_proj's weight into L2
-        pf.issue("o", attn.o_proj.weight, num_parts)
+    pf.issue("o", attn.o_proj.weight, num_parts)  # during the attention: o_proj's leading bytes into L2
     q = qkv[:, :num_heads]  # [T, H, D] views
     k = qkv[:, num_heads: num_heads + num_kv_heads]  # [T, KVH, D]
     v = qkv[:, num_heads + num_kv_heads:]  # [T, KVH, D]
