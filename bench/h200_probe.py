@@ -23,7 +23,13 @@ model/fused.py driven directly over a hand-built paged cache.
      the V cache's layout (rows, or key pairs as the engine stores it);
   9. (l2pf) the whole forward's graph replay with each L2 prefetch configuration of L2PF_VARIANTS against none
      (kernels/l2_prefetch.py), by batch and context, the logits compared, the batch-1 profiles; (l2pf_engine) the
-     engine's batch-1 steps with and without the fastest of them (or the default), in turn.
+     engine's batch-1 steps with and without the fastest of them (or the default), in turn;
+ 10. (multistep) K = 1, 2, 4, 8 decode steps chained in one graph through the in-graph argmax, replay time per
+     step; the K = 1 graph replayed between the engine's copies in and out, and the idle time between replays;
+ 11. (streams) the projections cut into 2 or 4 parts run at once on side streams, per projection at M = 1 and in
+     the whole forward's graph replay against one GEMM each;
+ 12. (merge) the decode kernel merging its own splits (atomic ticket) against the reduce kernel: 32 layers of
+     attention, and the whole forward's graph replay, by batch and context.
 
     python -m bench.h200_probe --out $OUT [--phases gemv,batch1,...,pdl,fp8kv,fp8tune,l2pf,l2pf_engine]
 
@@ -48,6 +54,7 @@ from bench.gpu_suite import make_engine, prompts_for, run_timed, time_gpu
 from services.gpu_worker.attention.base import AttentionMetadata
 from services.gpu_worker.attention.triton_backend import TritonAttention
 from services.gpu_worker.kernels import l2_prefetch, pdl
+from services.gpu_worker.kernels.argmax import argmax_rows
 from services.gpu_worker.kernels.decode_attention import (decode_attention, decode_attention_rope, num_splits_for,
                                                            parse_tile, tile_name)
 from services.gpu_worker.kernels.rms_norm import rms_norm
@@ -183,6 +190,60 @@ def profile_graph(graph: torch.cuda.CUDAGraph, out: Path, name: str) -> dict:
                          for k, v in sorted(fam.items(), key=lambda kv: -sum(kv[1]))},
             "gemm_kernel_names": gemm_names[:12],
             "first_layer_sequence": [(e["name"][:50], round(e["dur"], 2)) for e in last[:16]]}
+
+
+def engine_like_steps(graph: torch.cuda.CUDAGraph, batch: int, width: int, tokens: torch.Tensor,
+                      steps: int = 200) -> dict:
+    """ms per step of `graph` replayed as the engine's overlap mode does (graph replay alone; with a pinned
+    host-to-device copy of the inputs before each replay and a device-to-host copy of the tokens after, the host
+    reading step N's tokens after queueing step N + 1)."""
+    words = 5 * batch + batch * width
+    hosts = [torch.zeros(words, dtype=torch.int32).pin_memory() for _ in range(2)]
+    dev = torch.zeros(words, dtype=torch.int32, device="cuda")  # read by nothing: the copy's cost only
+    outs = [torch.zeros(batch, dtype=torch.int64).pin_memory() for _ in range(2)]
+    done = [torch.cuda.Event(), torch.cuda.Event()]
+    res = {}
+    for label in ("replay_only", "copies_around_replay"):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(steps):
+            if label == "replay_only":
+                graph.replay()
+                continue
+            turn = i % 2
+            dev.copy_(hosts[turn], non_blocking=True)
+            graph.replay()
+            outs[turn].copy_(tokens, non_blocking=True)
+            done[turn].record()
+            done[turn ^ 1].synchronize()  # step i - 1's tokens, as the engine reads them
+            outs[turn ^ 1].tolist()
+        torch.cuda.synchronize()
+        res[label] = round((time.perf_counter() - t0) / steps * 1e3, 4)
+    return res
+
+
+def replay_gaps(graph: torch.cuda.CUDAGraph, out: Path, replays: int = 6) -> dict:
+    """Back-to-back replays under the profiler: the idle time from one replay's last kernel to the next one's
+    first, and the largest idle time inside a replay."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    trace = out / "replay_gaps_trace.json"
+    prof.export_chrome_trace(str(trace))
+    events = sorted((e for e in json.loads(trace.read_text())["traceEvents"] if e.get("cat") == "kernel"),
+                    key=lambda e: e["ts"])
+    trace.unlink()
+    per = len(events) // replays
+    if not per:
+        return {"error": "no kernel events in the trace"}
+    between = [events[r * per]["ts"] - (events[r * per - 1]["ts"] + events[r * per - 1]["dur"])
+               for r in range(1, replays)]
+    inside = [events[i + 1]["ts"] - (events[i]["ts"] + events[i]["dur"]) for i in range(per - 1)]
+    return {"kernels_per_replay": per, "between_replays_us": [round(g, 1) for g in between],
+            "inside_sum_us": round(sum(inside), 1), "inside_max_us": round(max(inside), 1)}
 
 
 def alternate_graphs(engine, variants: dict, rounds: int, steps: int) -> dict[str, list[float]]:
@@ -483,6 +544,113 @@ def gemv_split_table(copy_tbs: float) -> dict:
     return res
 
 
+class StreamedGemms:
+    """One projection's GEMM cut into parts that run at once on side streams (forked from and joined to the
+    current stream, so a captured graph holds them as parallel branches): linear() cuts the output rows (N),
+    row_projection() cuts fused._row_projection's split-K slices, each part writing its own share of one output."""
+
+    def __init__(self, parts: int, max_tokens: int = 32, side: bool = True) -> None:
+        """side=False: the same parts in order on the current stream."""
+        self.parts, self.max_tokens, self.side = parts, max_tokens, side
+        self.side_streams = [torch.cuda.Stream() for _ in range(parts)]
+
+    @property
+    def streams(self) -> list:
+        return self.side_streams if self.side else [torch.cuda.current_stream()] * self.parts
+
+    def _fork(self):
+        main = torch.cuda.current_stream()
+        for s in self.streams:
+            if s != main:
+                s.wait_stream(main)
+        return main
+
+    def _join(self, main) -> None:
+        for s in self.streams:
+            if s != main:
+                main.wait_stream(s)
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, bias=None) -> torch.Tensor:
+        n = w.shape[0]
+        if bias is not None or x.shape[0] > self.max_tokens or n % self.parts:
+            return F.linear(x, w, bias)
+        out = x.new_empty((x.shape[0], n))
+        step, main = n // self.parts, self._fork()
+        for i, s in enumerate(self.streams):
+            with torch.cuda.stream(s):
+                torch.mm(x, w[i * step:(i + 1) * step].t(), out=out[:, i * step:(i + 1) * step])
+        self._join(main)
+        return out
+
+    def row_projection(self, x: torch.Tensor, w: torch.Tensor, num_parts: int) -> torch.Tensor:
+        if num_parts == 1 or num_parts % self.parts or x.shape[1] % num_parts:
+            return ROW_PROJECTION(x, w, num_parts)
+        (t, k), n = x.shape, w.shape[0]
+        xs = x.view(t, num_parts, k // num_parts).transpose(0, 1)
+        ws = w.view(n, num_parts, k // num_parts).permute(1, 2, 0)
+        out = torch.empty((num_parts, t, n), device=x.device, dtype=torch.float32)
+        step, main = num_parts // self.parts, self._fork()
+        for i, s in enumerate(self.streams):
+            with torch.cuda.stream(s):
+                sl = slice(i * step, (i + 1) * step)
+                torch.bmm(xs[sl], ws[sl], torch.float32, out=out[sl])
+        self._join(main)
+        return out
+
+
+class LinearShim:
+    """fused.F for the streamed variants: F.linear through StreamedGemms, the rest of torch.nn.functional as is."""
+
+    def __init__(self, gemms: StreamedGemms) -> None:
+        self.linear = gemms.linear
+
+    def __getattr__(self, name: str):
+        return getattr(F, name)
+
+
+ROW_PROJECTION = fused._row_projection
+
+
+def gemv_streams_table(copy_tbs: float) -> dict:
+    """M = 1 projections, one GEMM against the same cut into 2 or 4 parts on side streams (StreamedGemms) or on the
+    one stream: time per projection over distinct weight copies (no L2 reuse), each copy after the previous."""
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+    res: dict = {}
+    for name, (n, k) in shapes.items():
+        copies = max(2, min(16, int(2e9 // (n * k * 2))))
+        ws = [torch.randn((n, k), device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        x = torch.randn((1, k), device="cuda", dtype=torch.bfloat16)
+        rows = name in ("o", "down")  # the engine's split-K form (4 slices, fp32 partials)
+        calls = {"one": (lambda w: ROW_PROJECTION(x, w, 4)) if rows else (lambda w: F.linear(x, w))}
+        for parts in (2, 4):
+            g = StreamedGemms(parts)
+            calls[f"streams{parts}"] = (lambda w, g=g: g.row_projection(x, w, 4)) if rows else (
+                lambda w, g=g: g.linear(x, w))
+            one = StreamedGemms(parts, side=False)  # the same cut, in order on one stream
+            calls[f"cut{parts}_one_stream"] = (lambda w, g=one: g.row_projection(x, w, 4)) if rows else (
+                lambda w, g=one: g.linear(x, w))
+        ref = calls["one"](ws[0]).float()
+        row: dict = {}
+        graphs = {}
+        for label, call in calls.items():
+            out = call(ws[0]).float()
+            torch.cuda.synchronize()
+            if not torch.equal(out, ref):
+                row[f"{label}_max_abs_diff"] = float((out - ref).abs().max())
+            graphs[label] = graph_of(lambda call=call: [call(w) for w in ws])
+        times: dict[str, list[float]] = {label: [] for label in graphs}
+        for _ in range(3):
+            for label, g in graphs.items():
+                times[label].append(bench_ms(g.replay) * 1e3 / copies)
+        for label, ts in times.items():
+            us = sorted(ts)[1]
+            row[f"{label}_us"] = round(us, 2)
+            row[f"{label}_of_copy"] = round(n * k * 2 / (us * 1e-6) / 1e12 / copy_tbs, 3)
+        res[name] = row
+        del graphs, ws
+    return res
+
+
 def argmax_table() -> dict:
     """Greedy argmax over a 128,256-token vocabulary: torch.argmax vs kernels/argmax.py, fp32 logits."""
     from services.gpu_worker.kernels.argmax import argmax_rows
@@ -502,7 +670,7 @@ def main() -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     p.add_argument("--phases", default="gemv,batch1,splits,micro,engine,mixed",
                    help="comma-separated; also gemv_split, argmax, splitk, norm, pdl, fp8kv, fp8tune, l2pf, "
-                        "l2pf_engine")
+                        "l2pf_engine, multistep, streams, merge")
     p.add_argument("--mixed-requests", type=int, default=1000, help="W1 requests for the mixed-steps phase")
     p.add_argument("--fp8tune-shapes", default="64x1504,384x1504", help="fp8tune: batch x context, comma-separated")
     p.add_argument("--fp8tune-tiles", default="",
@@ -545,7 +713,7 @@ def main() -> int:
     if "mixed" in phases:
         save("w1_mixed_steps", w1_mixed_steps(args.mixed_requests))
         torch.cuda.empty_cache()
-    if not phases & {"batch1", "splits", "micro", "splitk", "norm", "pdl", "fp8kv", "l2pf"}:
+    if not phases & {"batch1", "splits", "micro", "splitk", "norm", "pdl", "fp8kv", "l2pf", "multistep", "streams", "merge"}:
         if "l2pf_engine" in phases:
             save("engine_batch1_l2_prefetch", engine_batch1_prefetch(l2_prefetch.DEFAULT_CONFIG))
         return 0
@@ -736,6 +904,142 @@ def main() -> int:
                 figl[f"B{batch}_L{ctx}"] = row
                 save("l2_prefetch", figl)
                 del graphs, logits
+
+    # 1g. (streams) the projections cut into parts on side streams (StreamedGemms): whole forward + LM head, graph
+    #     replay in turn (3 rounds) against one GEMM per projection, logits compared
+    if "streams" in phases:
+        figs: dict = {"per_projection_us": gemv_streams_table(copy_tbs)}
+        save("gemm_streams", figs)
+        plain_f = fused.F
+        variants = {"off": None, "linear2": (2, True, False), "rows2": (2, False, True), "both2": (2, True, True),
+                    "both4": (4, True, True)}
+        with torch.inference_mode():
+            for batch, ctx in ((1, 640), (1, 4096), (8, 640)):
+                mb = Batch(batch, ctx, 1, width, "cuda")
+                graphs, logits = {}, {}
+                for label, spec in variants.items():
+                    if spec is not None:
+                        g = StreamedGemms(spec[0])
+                        if spec[1]:
+                            fused.F = LinearShim(g)
+                        if spec[2]:
+                            fused._row_projection = g.row_projection
+                    captured: dict = {}
+                    fn = full(mb)
+                    graphs[label] = graph_of(lambda: captured.__setitem__("logits", fn()))
+                    graphs[label].replay()
+                    torch.cuda.synchronize()
+                    logits[label] = captured["logits"].clone()
+                    fused.F, fused._row_projection = plain_f, ROW_PROJECTION
+                times: dict[str, list[float]] = {label: [] for label in graphs}
+                for _ in range(3):
+                    for label, g in graphs.items():
+                        times[label].append(bench_ms(g.replay))
+                row: dict = {f"{label}_ms": [round(t, 4) for t in ts] for label, ts in times.items()}
+                off = sorted(times["off"])[1]
+                for label in graphs:
+                    if label != "off":
+                        row[f"{label}_over_off"] = round(sorted(times[label])[1] / off, 4)
+                        row[f"{label}_same_logits"] = bool(torch.equal(logits["off"], logits[label]))
+                if batch == 1 and ctx == 640:
+                    best = min((lb for lb in graphs if lb != "off"), key=lambda lb: sorted(times[lb])[1])
+                    row["best"] = best
+                    row["profile_best"] = profile_graph(graphs[best], out, "b1streams")
+                figs[f"B{batch}_L{ctx}"] = row
+                save("gemm_streams", figs)
+                del graphs, logits
+
+    # 1h. (merge) the decode kernel merging its own splits (an atomic ticket per sequence and KV head) against the
+    #     reduce kernel after it: 32 layers of decode attention in one graph, then the whole forward's graph replay
+    #     (TritonAttention.merge_splits), in turn, 3 rounds; outputs and logits compared
+    if "merge" in phases:
+        figg: dict = {}
+        num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+        counters = torch.zeros(4096, dtype=torch.int32, device="cuda")
+        with torch.inference_mode():
+            for batch, ctx in ((1, 640), (1, 4096), (4, 640), (8, 640), (16, 1504), (32, 1504)):
+                mb = Batch(batch, ctx, 1, width, "cuda")
+                qkv = torch.randn((batch, 48, 128), device="cuda", dtype=torch.bfloat16)
+                q, k, v = qkv[:, :32], qkv[:, 32:40], qkv[:, 40:]
+                splits = num_splits_for(batch, cfg.num_kv_heads, num_sms)
+                outs = {}
+
+                def layers(c, outs=outs, mb=mb, q=q, k=k, v=v, splits=splits):
+                    outs[c is not None] = [decode_attention_rope(q, k, v, mb.positions, model.inv_freq, kv.k[i],
+                                                                 kv.v[i], mb.slots, mb.page_table, mb.seq_lens, splits,
+                                                                 merge_counters=c) for i in range(cfg.num_layers)]
+                graphs = {"reduce": graph_of(lambda: layers(None)), "merge": graph_of(lambda: layers(counters))}
+                times: dict[str, list[float]] = {label: [] for label in graphs}
+                for _ in range(3):
+                    for label, g in graphs.items():
+                        times[label].append(bench_ms(g.replay) * 1e3 / cfg.num_layers)
+                row: dict = {"splits": splits, **{f"{lb}_us_per_layer": [round(t, 2) for t in ts]
+                                                  for lb, ts in times.items()}}
+                row["merge_over_reduce"] = round(sorted(times["merge"])[1] / sorted(times["reduce"])[1], 4)
+                row["same_output"] = all(torch.equal(a, b) for a, b in zip(outs[False], outs[True]))
+                row["counters_zero"] = int(counters.abs().sum()) == 0
+                figg[f"attention_B{batch}_L{ctx}"] = row
+                del graphs
+            save("merge_splits", figg)
+            for batch, ctx in ((1, 640), (1, 4096), (8, 640), (32, 1504)):
+                mb = Batch(batch, ctx, 1, width, "cuda")
+                graphs, logits = {}, {}
+                for label in ("reduce", "merge"):
+                    backend.merge_splits = label == "merge"
+                    captured: dict = {}
+                    fn = full(mb)
+                    graphs[label] = graph_of(lambda: captured.__setitem__("logits", fn()))
+                    graphs[label].replay()
+                    torch.cuda.synchronize()
+                    logits[label] = captured["logits"].clone()
+                backend.merge_splits = False
+                times = {label: [] for label in graphs}
+                for _ in range(3):
+                    for label, g in graphs.items():
+                        times[label].append(bench_ms(g.replay))
+                row = {f"{lb}_ms": [round(t, 4) for t in ts] for lb, ts in times.items()}
+                row["merge_over_reduce"] = round(sorted(times["merge"])[1] / sorted(times["reduce"])[1], 4)
+                row["same_logits"] = bool(torch.equal(logits["reduce"], logits["merge"]))
+                if batch == 1 and ctx == 640:
+                    row["profile_merge"] = profile_graph(graphs["merge"], out, "b1merge")
+                figg[f"forward_B{batch}_L{ctx}"] = row
+                save("merge_splits", figg)
+                del graphs, logits
+
+    # 1f. several decode steps in one graph: K forwards chained through the in-graph argmax (each step embeds the
+    #     token the previous one picked, as the engine's fed inputs do), replay time per forward against K = 1;
+    #     and K = 1 replayed the engine's way, between a host-to-device copy of its inputs and a device-to-host
+    #     copy of its token, the host one step ahead
+    if "multistep" in phases:
+        figm: dict = {}
+        with torch.inference_mode():
+            for batch, ctx in ((1, 640), (1, 4096), (8, 640), (64, 640)):
+                mb = Batch(batch, ctx, 1, width, "cuda")
+                tokens = torch.zeros(batch, dtype=torch.int64, device="cuda")
+                src = torch.arange(batch, dtype=torch.int32, device="cuda")
+
+                def chain(k: int, mb=mb, tokens=tokens, src=src):
+                    def fn():
+                        for _ in range(k):
+                            hidden = fused.forward(model, mb.input_ids, mb.positions, kv, mb.meta, backend,
+                                                   fed=(src, tokens))
+                            argmax_rows(model.logits(hidden), out=tokens)
+                    return fn
+                graphs = {k: graph_of(chain(k)) for k in (1, 2, 4, 8)}
+                times: dict[int, list[float]] = {k: [] for k in graphs}
+                for _ in range(3):
+                    for k, g in graphs.items():
+                        times[k].append(bench_ms(g.replay) / k)
+                row: dict = {f"K{k}_ms_per_step": [round(t, 4) for t in ts] for k, ts in times.items()}
+                one = sorted(times[1])[1]
+                for k in graphs:
+                    row[f"K{k}_over_K1"] = round(sorted(times[k])[1] / one, 4)
+                if batch == 1 and ctx == 640:
+                    row["engine_like_ms_per_step"] = engine_like_steps(graphs[1], batch, width, tokens)
+                    row["gaps_between_replays_us"] = replay_gaps(graphs[1], out)
+                figm[f"B{batch}_L{ctx}"] = row
+                save("multistep", figm)
+                del graphs
 
     # 3. batch-1 decode attention by split count: 32 layers' caches in one graph
     fig3 = {}

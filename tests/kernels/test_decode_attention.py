@@ -116,3 +116,63 @@ def test_decode_rope_same_cache_bits_as_rope_kv_write(num_splits):
     unfused = decode_attention(q2, k2, v2, table, lens, num_splits)
     assert torch.equal(k_cache, k2) and torch.equal(v_cache, v2)
     assert rel_err(out, unfused) < 1e-2
+
+
+def _merged_same_bits(seq_lens, num_heads, num_kv_heads, head_dim, page_size, num_splits, dtype, rope: bool):
+    """The split kernel merging its own splits (merge_counters) gives the reduce kernel's output bit for bit, leaves
+    its counters at zero, and does so again on the same counters."""
+    q, k, v, positions, inv_freq, k_cache, v_cache, slots, table, lens = _new_token_step(
+        seq_lens, num_heads, num_kv_heads, head_dim, page_size, dtype, 7 * num_splits + len(seq_lens))
+    slots = slots.to(torch.int32)
+    counters = torch.zeros(len(seq_lens) * num_kv_heads + 3, dtype=torch.int32, device=DEVICE)
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(3)]
+
+    def run(i, c):
+        kc, vc = caches[i]
+        if rope:
+            return decode_attention_rope(q, k, v, positions, inv_freq, kc, vc, slots, table, lens, num_splits,
+                                         merge_counters=c)
+        return decode_attention(q, kc, vc, table, lens, num_splits, merge_counters=c)
+
+    reduced = run(0, None)
+    for i in (1, 2):
+        merged = run(i, counters)
+        assert torch.equal(merged, reduced)
+        assert torch.equal(counters, torch.zeros_like(counters))
+        assert torch.equal(caches[i][0], caches[0][0]) and torch.equal(caches[i][1], caches[0][1])
+
+
+@pytest.mark.parametrize("rope", [False, True], ids=["plain", "rope_fused"])
+@pytest.mark.parametrize("seq_lens, num_splits", [([1, 5, 37], 4), ([130], 8), ([16, 17, 2], 8), ([200, 3], 2)])
+def test_decode_merged_in_kernel_same_bits(seq_lens, num_splits, rope):
+    _merged_same_bits(seq_lens, 4, 2, 16, 4, num_splits, torch.float32, rope)
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("num_splits", [2, 8, 32])
+def test_decode_merged_in_kernel_llama8b_shapes(num_splits):
+    _merged_same_bits([1, 17, 640, 4096, 2000, 65], 32, 8, 128, 16, num_splits, torch.bfloat16, rope=True)
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_decode_merged_in_kernel_graph_replays():
+    """Captured once, replayed many times: each replay leaves the counters at zero for the next, and every replay
+    gives the reduce kernel's output (whose merge runs as a kernel of its own)."""
+    q, k, v, positions, inv_freq, k_cache, v_cache, slots, table, lens = _new_token_step(
+        [1, 33, 700, 2048], 32, 8, 128, 16, torch.bfloat16, 5)
+    slots = slots.to(torch.int32)
+    counters = torch.zeros(64, dtype=torch.int32, device=DEVICE)
+    ref = decode_attention(q, k_cache, v_cache, table, lens, 32)
+    out = decode_attention(q, k_cache, v_cache, table, lens, 32, merge_counters=counters)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention(q, k_cache, v_cache, table, lens, 32, merge_counters=counters)
+    for _ in range(20):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref)
+        assert int(counters.abs().sum()) == 0
