@@ -27,9 +27,11 @@ model/fused.py driven directly over a hand-built paged cache.
  10. (multistep) K = 1, 2, 4, 8 decode steps chained in one graph through the in-graph argmax, replay time per
      step; the K = 1 graph replayed between the engine's copies in and out, and the idle time between replays;
  11. (streams) the projections cut into 2 or 4 parts run at once on side streams, per projection at M = 1 and in
-     the whole forward's graph replay against one GEMM each;
- 12. (merge) the decode kernel merging its own splits (atomic ticket) against the reduce kernel: 32 layers of
-     attention, and the whole forward's graph replay, by batch and context.
+     the whole forward's graph replay against one GEMM each.
+
+Phase "merge" (the decode kernel merging its own splits by an atomic ticket per sequence and KV head) ran from
+commit cfe5e49, which holds it and the kernel option; both were removed after the run
+(bench/results/h200_probe_20261203_k_merge.json).
 
     python -m bench.h200_probe --out $OUT [--phases gemv,batch1,...,pdl,fp8kv,fp8tune,l2pf,l2pf_engine]
 
@@ -670,7 +672,7 @@ def main() -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     p.add_argument("--phases", default="gemv,batch1,splits,micro,engine,mixed",
                    help="comma-separated; also gemv_split, argmax, splitk, norm, pdl, fp8kv, fp8tune, l2pf, "
-                        "l2pf_engine, multistep, streams, merge")
+                        "l2pf_engine, multistep, streams")
     p.add_argument("--mixed-requests", type=int, default=1000, help="W1 requests for the mixed-steps phase")
     p.add_argument("--fp8tune-shapes", default="64x1504,384x1504", help="fp8tune: batch x context, comma-separated")
     p.add_argument("--fp8tune-tiles", default="",
@@ -713,7 +715,7 @@ def main() -> int:
     if "mixed" in phases:
         save("w1_mixed_steps", w1_mixed_steps(args.mixed_requests))
         torch.cuda.empty_cache()
-    if not phases & {"batch1", "splits", "micro", "splitk", "norm", "pdl", "fp8kv", "l2pf", "multistep", "streams", "merge"}:
+    if not phases & {"batch1", "splits", "micro", "splitk", "norm", "pdl", "fp8kv", "l2pf", "multistep", "streams"}:
         if "l2pf_engine" in phases:
             save("engine_batch1_l2_prefetch", engine_batch1_prefetch(l2_prefetch.DEFAULT_CONFIG))
         return 0
@@ -947,63 +949,6 @@ def main() -> int:
                     row["profile_best"] = profile_graph(graphs[best], out, "b1streams")
                 figs[f"B{batch}_L{ctx}"] = row
                 save("gemm_streams", figs)
-                del graphs, logits
-
-    # 1h. (merge) the decode kernel merging its own splits (an atomic ticket per sequence and KV head) against the
-    #     reduce kernel after it: 32 layers of decode attention in one graph, then the whole forward's graph replay
-    #     (TritonAttention.merge_splits), in turn, 3 rounds; outputs and logits compared
-    if "merge" in phases:
-        figg: dict = {}
-        num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-        counters = torch.zeros(4096, dtype=torch.int32, device="cuda")
-        with torch.inference_mode():
-            for batch, ctx in ((1, 640), (1, 4096), (4, 640), (8, 640), (16, 1504), (32, 1504)):
-                mb = Batch(batch, ctx, 1, width, "cuda")
-                qkv = torch.randn((batch, 48, 128), device="cuda", dtype=torch.bfloat16)
-                q, k, v = qkv[:, :32], qkv[:, 32:40], qkv[:, 40:]
-                splits = num_splits_for(batch, cfg.num_kv_heads, num_sms)
-                outs = {}
-
-                def layers(c, outs=outs, mb=mb, q=q, k=k, v=v, splits=splits):
-                    outs[c is not None] = [decode_attention_rope(q, k, v, mb.positions, model.inv_freq, kv.k[i],
-                                                                 kv.v[i], mb.slots, mb.page_table, mb.seq_lens, splits,
-                                                                 merge_counters=c) for i in range(cfg.num_layers)]
-                graphs = {"reduce": graph_of(lambda: layers(None)), "merge": graph_of(lambda: layers(counters))}
-                times: dict[str, list[float]] = {label: [] for label in graphs}
-                for _ in range(3):
-                    for label, g in graphs.items():
-                        times[label].append(bench_ms(g.replay) * 1e3 / cfg.num_layers)
-                row: dict = {"splits": splits, **{f"{lb}_us_per_layer": [round(t, 2) for t in ts]
-                                                  for lb, ts in times.items()}}
-                row["merge_over_reduce"] = round(sorted(times["merge"])[1] / sorted(times["reduce"])[1], 4)
-                row["same_output"] = all(torch.equal(a, b) for a, b in zip(outs[False], outs[True]))
-                row["counters_zero"] = int(counters.abs().sum()) == 0
-                figg[f"attention_B{batch}_L{ctx}"] = row
-                del graphs
-            save("merge_splits", figg)
-            for batch, ctx in ((1, 640), (1, 4096), (8, 640), (32, 1504)):
-                mb = Batch(batch, ctx, 1, width, "cuda")
-                graphs, logits = {}, {}
-                for label in ("reduce", "merge"):
-                    backend.merge_splits = label == "merge"
-                    captured: dict = {}
-                    fn = full(mb)
-                    graphs[label] = graph_of(lambda: captured.__setitem__("logits", fn()))
-                    graphs[label].replay()
-                    torch.cuda.synchronize()
-                    logits[label] = captured["logits"].clone()
-                backend.merge_splits = False
-                times = {label: [] for label in graphs}
-                for _ in range(3):
-                    for label, g in graphs.items():
-                        times[label].append(bench_ms(g.replay))
-                row = {f"{lb}_ms": [round(t, 4) for t in ts] for lb, ts in times.items()}
-                row["merge_over_reduce"] = round(sorted(times["merge"])[1] / sorted(times["reduce"])[1], 4)
-                row["same_logits"] = bool(torch.equal(logits["reduce"], logits["merge"]))
-                if batch == 1 and ctx == 640:
-                    row["profile_merge"] = profile_graph(graphs["merge"], out, "b1merge")
-                figg[f"forward_B{batch}_L{ctx}"] = row
-                save("merge_splits", figg)
                 del graphs, logits
 
     # 1f. several decode steps in one graph: K forwards chained through the in-graph argmax (each step embeds the

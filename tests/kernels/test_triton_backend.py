@@ -97,23 +97,3 @@ def test_mixed_step_sends_its_decodes_to_the_decode_kernel_when_asked(monkeypatc
     backend = TritonAttention(num_sms=4, mixed_decodes_to_decode_kernel=mixed_to_decode)
     backend.forward_rope(0, q, k, v, positions, inv_freq, cache, meta)
     assert calls == ({"decode": [3], "extend": [2]} if mixed_to_decode else {"decode": [], "extend": [5]})
-
-
-@pytest.mark.parametrize("new_and_cached", [[(1, 20), (1, 3), (1, 40)], [(1, 8), (1, 30), (5, 7)]],
-                         ids=["decode_only", "mixed"])
-def test_merging_splits_in_the_decode_kernel_keeps_every_bit(new_and_cached):
-    """merge_splits: the decode kernel merges its own splits (no reduce kernel): the same output and cache bits,
-    the backend's counters back at zero after each step, one buffer reused while it is large enough."""
-    outs, caches, backends = [], [], []
-    for merge in (False, True, True):
-        q, k, v, positions, inv_freq, cache, meta = _step(new_and_cached)
-        backend = backends[-1] if merge and len(backends) == 2 else TritonAttention(num_sms=4, merge_splits=merge)
-        backends.append(backend)
-        outs.append(backend.forward_rope(0, q, k, v, positions, inv_freq, cache, meta))
-        caches.append(cache)
-    assert backends[1]._counters and len(backends[1]._counters) == 1 and backends[2] is backends[1]
-    assert not backends[0]._counters
-    assert int(backends[1]._counters[0].abs().sum()) == 0
-    for out, cache in zip(outs[1:], caches[1:]):
-        assert torch.equal(out, outs[0])
-        assert torch.equal(cache.k, caches[0].k) and torch.equal(cache.v, caches[0].v)

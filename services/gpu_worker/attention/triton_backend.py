@@ -10,9 +10,6 @@ from services.gpu_worker.kernels.kv_write import kv_write
 from services.gpu_worker.kernels.rope_kv_write import rope_kv_write_
 from services.gpu_worker.kv_cache import KVCache
 
-# the decode kernel merges its own splits (TritonAttention.merge_splits); bench/h200_probe.py --phases merge
-MERGE_SPLITS_IN_KERNEL = False
-
 
 class TritonAttention(AttentionBackend):
     """Decode-only steps run the split-K decode kernel (with RoPE and the KV write inside it, on the fused
@@ -27,7 +24,7 @@ class TritonAttention(AttentionBackend):
     name = "triton"
 
     def __init__(self, num_sms: int | None = None, fuse_decode: bool = True,
-                 mixed_decodes_to_decode_kernel: bool = True, merge_splits: bool = MERGE_SPLITS_IN_KERNEL) -> None:
+                 mixed_decodes_to_decode_kernel: bool = True) -> None:
         # False: rope_kv_write_ then the decode kernel, as before decode_attention_rope (benchmarks compare both)
         self.fuse_decode = fuse_decode
         # On by default: W1's shape on the H200, four runs in turn, gave 1.026× and 1.036× the output throughput
@@ -35,22 +32,6 @@ class TritonAttention(AttentionBackend):
         self.mixed_decodes_to_decode_kernel = mixed_decodes_to_decode_kernel
         self.num_sms = num_sms or (torch.cuda.get_device_properties(0).multi_processor_count
                                    if torch.cuda.is_available() else 1)
-        # True: the decode kernel merges its splits itself, by an atomic ticket per sequence and KV head, instead of
-        # a reduce kernel after it (decode_attention's merge_counters)
-        self.merge_splits = merge_splits
-        self._counters: list[torch.Tensor] = []  # every buffer made stays alive: captured graphs hold their address
-
-    def _merge_counters(self, num_seqs: int, num_kv_heads: int, device: torch.device) -> torch.Tensor | None:
-        """Zeroed int32 counters for a decode launch that merges its own splits, or None (the reduce kernel)."""
-        if not self.merge_splits:
-            return None
-        need = num_seqs * num_kv_heads
-        last = self._counters[-1] if self._counters else None
-        if last is None or last.numel() < need or last.device != device:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                return None  # NOTE: made inside a capture it would be the graph's memory; graphs warm up first
-            self._counters.append(torch.zeros(max(need, 1024), dtype=torch.int32, device=device))
-        return self._counters[-1]
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -79,8 +60,7 @@ class TritonAttention(AttentionBackend):
         out = torch.empty_like(q)
         num_splits = num_splits_for(n, k_cache.shape[2], self.num_sms)
         decode_attention_rope(q[:n], k[:n], v[:n], positions[:n], inv_freq, k_cache, v_cache, meta.slot_mapping[:n],
-                              meta.page_table[:n], meta.seq_lens[:n], num_splits, out=out[:n],
-                              merge_counters=self._merge_counters(n, k_cache.shape[2], q.device))
+                              meta.page_table[:n], meta.seq_lens[:n], num_splits, out=out[:n])
         if n < meta.num_seqs:
             rope_kv_write_(q[n:], k[n:], v[n:], positions[n:], inv_freq, k_cache, v_cache, meta.slot_mapping[n:])
             extend_attention(q, k_cache, v_cache, meta.query_start[n:], meta.seq_lens[n:], meta.page_table[n:],
@@ -91,7 +71,6 @@ class TritonAttention(AttentionBackend):
                 meta: AttentionMetadata) -> torch.Tensor:
         if meta.is_decode_only:
             num_splits = num_splits_for(q.shape[0], k_cache.shape[2], self.num_sms)
-            return decode_attention(q, k_cache, v_cache, meta.page_table, meta.seq_lens, num_splits,
-                                    merge_counters=self._merge_counters(q.shape[0], k_cache.shape[2], q.device))
+            return decode_attention(q, k_cache, v_cache, meta.page_table, meta.seq_lens, num_splits)
         return extend_attention(q, k_cache, v_cache, meta.query_start, meta.seq_lens, meta.page_table,
                                 meta.max_query_len)

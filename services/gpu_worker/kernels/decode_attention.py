@@ -10,9 +10,12 @@ q and k, rotates them in registers, attends to the cached keys [0, seq_len - 1) 
 registers, and the split that owns position seq_len - 1 writes the rotated k and v into their cache slot.
 That is one launch fewer per layer (bench/h200_probe.py measures both).
 
-NOTE: merging the splits in the same kernel (the last program to finish, found by an atomic ticket, merges
-them) was measured and dropped: at batch 1 that one program's serial merge made the layer's attention 2×
-slower than the parallel reduce kernel (bench/results/h200_probe_20261202_b.json).
+NOTE: merging the splits in the same kernel was measured twice and dropped. The last program to finish, found by an
+atomic ticket, merging every head: at batch 1 the layer's attention 2× slower than the parallel reduce kernel
+(bench/results/h200_probe_20261202_b.json). The last split of each sequence and KV head merging that head group
+(commit cfe5e49, same bits as the reduce kernel): 1.34× at batch 1 (9.5 against 7.05 µs per layer), 1.21× at 8
+sequences, the whole batch-1 forward 1.016× (bench/results/h200_probe_20261203_k_merge.json). The ticket's
+barrier, release-acquire atomic and the merge's L2 loads sit on the critical path and cost more than the launch.
 """
 from __future__ import annotations
 
@@ -113,13 +116,13 @@ def attend_one(q, k_row, v_row, qk_scale, valid, m_i, l_i, acc, P_DTYPE: tl.cons
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, vw_ptr, table_ptr, seq_lens_ptr, out_ptr, part_ptr, lse_ptr,
-                   kn_ptr, vn_ptr, pos_ptr, inv_freq_ptr, slot_ptr, count_ptr,
+                   kn_ptr, vn_ptr, pos_ptr, inv_freq_ptr, slot_ptr,
                    sm_scale, stride_qb, stride_qh, stride_cs, stride_ch, stride_tb, stride_ob, stride_oh,
                    stride_knb, stride_knh, stride_vnb, stride_vnh,
                    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, NEW_TOKEN: tl.constexpr,
                    F16_DOT: tl.constexpr, V_PAIRS: tl.constexpr, V_ASM: tl.constexpr, OFF64: tl.constexpr,
-                   MERGE: tl.constexpr, USE_PDL: tl.constexpr):
+                   USE_PDL: tl.constexpr):
     pdl.wait_for_previous(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -212,37 +215,6 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, vw_ptr, table_ptr, seq_lens_ptr, o
         row = (b * GROUP * num_kv_heads + heads) * NUM_SPLITS + split  # [BLOCK_H] in [B, H, S]
         tl.store(part_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], part, mask=h_mask[:, None])
         tl.store(lse_ptr + row, lse, mask=h_mask)
-        if MERGE:
-            _merge_if_last(part_ptr, lse_ptr, out_ptr, count_ptr + b * num_kv_heads + kvh, b, kvh * GROUP,
-                           tl.cdiv(seq_len, chunk), split, GROUP * num_kv_heads, stride_ob, stride_oh,
-                           GROUP, HEAD_DIM, NUM_SPLITS)
-
-
-@triton.jit
-def _merge_if_last(part_ptr, lse_ptr, out_ptr, count_ptr, b, first_head, num_active, split, num_heads,
-                   stride_ob, stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """The merge of _decode_reduce_kernel, for heads [first_head, first_head + GROUP) of sequence b, done by the last
-    of the sequence's num_active non-empty splits of this KV head to finish (an atomic ticket; the splits past
-    num_active hold no keys and take no ticket). The last one puts the counter back to 0 for the next launch."""
-    if split < num_active:
-        tl.debug_barrier()  # every thread's partial stores come before the ticket's release
-        ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-        if ticket == num_active - 1:
-            tl.debug_barrier()  # the ticket's acquire comes before every thread's loads below
-            tl.store(count_ptr, 0)
-            offs_s = tl.arange(0, NUM_SPLITS)
-            offs_d = tl.arange(0, HEAD_DIM)
-            active = offs_s < num_active
-            for g in tl.static_range(GROUP):
-                row = (b * num_heads + first_head + g) * NUM_SPLITS + offs_s  # [S]
-                # .cg: from L2, where the other programs' stores are; never from this SM's L1
-                lse = tl.load(lse_ptr + row, mask=active, other=float("-inf"), cache_modifier=".cg")
-                weight = tl.exp2(lse - tl.max(lse, axis=0))  # the splits left out weigh 0, as empty ones do
-                part = tl.load(part_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=active[:, None],
-                               other=0.0, cache_modifier=".cg")  # [S, D]
-                out = tl.sum(part * weight[:, None], axis=0) / tl.sum(weight, axis=0)
-                tl.store(out_ptr + b * stride_ob + (first_head + g) * stride_oh + offs_d,
-                         out.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -267,7 +239,7 @@ def num_splits_for(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
     return min(MAX_SPLITS, 1 << (want - 1).bit_length())
 
 
-def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_token, tile, pairs, counters):
+def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_token, tile, pairs):
     num_seqs, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -276,9 +248,6 @@ def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_toke
         return out
     assert q.stride(2) == 1 and k_cache.is_contiguous() and v_cache.stride() == k_cache.stride()
     assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
-    merge = counters is not None and num_splits > 1
-    if merge:
-        assert counters.dtype == torch.int32 and counters.numel() >= num_seqs * num_kv_heads
     if num_splits > 1:
         part = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
@@ -292,14 +261,14 @@ def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_toke
     asm = asm and pairs and f16_dot and not _INTERPRET
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, v_cache.view(torch.int16) if pairs else v_cache, page_table, seq_lens, out, part, lse,
-        k_new, v_new, positions, inv_freq, slots, counters if merge else seq_lens, 1.0 / math.sqrt(head_dim),
+        k_new, v_new, positions, inv_freq, slots, 1.0 / math.sqrt(head_dim),
         q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
         out.stride(0), out.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, NEW_TOKEN=new_token is not None, F16_DOT=f16_dot, V_PAIRS=pairs,
-        V_ASM=asm, OFF64=paging.needs_off64(k_cache), MERGE=merge, num_warps=num_warps, num_stages=num_stages,
+        V_ASM=asm, OFF64=paging.needs_off64(k_cache), num_warps=num_warps, num_stages=num_stages,
         **({"maxnreg": max_regs} if max_regs else {}), **pdl.launch_options())
-    if num_splits > 1 and not merge:
+    if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part, lse, out, out.stride(0), out.stride(1), num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
             **pdl.launch_options())
@@ -308,37 +277,31 @@ def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_toke
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                      seq_lens: torch.Tensor, num_splits: int, out: torch.Tensor | None = None,
-                     tile: tuple | None = None, v_pairs: bool | None = None,
-                     merge_counters: torch.Tensor | None = None) -> torch.Tensor:
+                     tile: tuple | None = None, v_pairs: bool | None = None) -> torch.Tensor:
     """q: [B, H, D]; k_cache, v_cache: [P, S, KVH, D]; page_table: [B, max_pages] int32; seq_lens: [B] (≥ 1).
 
     Returns out [B, H, D]: softmax(q·Kᵀ/√D)·V over each sequence's keys [0, seq_len). tile: (keys per tile,
     warps, stages, fp16 dots, register cap or 0[, asm unpack]) of the split kernel; None: default_tile's.
     v_pairs: whether v_cache holds its keys in pairs (v_pairs.py); None: kv_cache.is_v_pairs.
-    merge_counters: int32 zeros, at least B × KVH, or None. With them the split kernel merges
-    the splits itself (the last split of each sequence and KV head to finish, by an atomic ticket; it leaves its
-    counter at 0 again) and the reduce kernel is not launched; without them the reduce kernel merges.
-    NOTE: launches sharing one counter buffer must run one after another (one stream).
     """
-    return _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, None, tile, v_pairs, merge_counters)
+    return _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, None, tile, v_pairs)
 
 
 def decode_attention_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                           inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           slot_mapping: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
                           num_splits: int, out: torch.Tensor | None = None,
-                          tile: tuple | None = None, v_pairs: bool | None = None,
-                          merge_counters: torch.Tensor | None = None) -> torch.Tensor:
+                          tile: tuple | None = None, v_pairs: bool | None = None) -> torch.Tensor:
     """rope_kv_write_ then decode_attention in one kernel, for a decode step (the new token of sequence b sits
     at position positions[b] = seq_lens[b] - 1, slot slot_mapping[b]).
 
     q: [B, H, D], k, v: [B, KVH, D] un-rotated (read, not changed); inv_freq: [D/2] fp32. Writes the rotated k
     and v into the caches and returns out [B, H, D]. q is not rotated in place (rope_kv_write_ does that).
-    tile, v_pairs, merge_counters: as decode_attention's.
+    tile, v_pairs: as decode_attention's.
     """
     assert k.stride(2) == 1 and v.stride(2) == 1 and inv_freq.dtype == torch.float32
     return _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out,
-                   (k, v, positions, inv_freq, slot_mapping), tile, v_pairs, merge_counters)
+                   (k, v, positions, inv_freq, slot_mapping), tile, v_pairs)
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
