@@ -33,7 +33,7 @@ Phase "merge" (the decode kernel merging its own splits by an atomic ticket per 
 commit cfe5e49, which holds it and the kernel option; both were removed after the run
 (bench/results/h200_probe_20261203_k_merge.json).
 
-    python -m bench.h200_probe --out $OUT [--phases gemv,batch1,...,pdl,fp8kv,fp8tune,l2pf,l2pf_engine]
+    python -m bench.h200_probe --out $OUT [--phases gemv,batch1,...,l2pf,l2pf_engine,multistep,streams]
 
 Phase 1 runs with the fused decode kernel (RoPE + KV write inside the split-K kernel) and with the separate
 rope_kv_write_ and decode kernels (TritonAttention(fuse_decode=False)), in the same run.
