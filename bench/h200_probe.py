@@ -97,6 +97,31 @@ def graph_of(fn) -> torch.cuda.CUDAGraph:
     return g
 
 
+def capture_with_logits(fn) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """fn's graph (fn returns logits), replayed once, and a copy of the logits that replay left."""
+    captured: dict = {}
+    g = graph_of(lambda: captured.__setitem__("logits", fn()))
+    g.replay()
+    torch.cuda.synchronize()
+    return g, captured["logits"].clone()
+
+
+def replay_in_turn(graphs: dict, logits: dict, rounds: int = 3) -> tuple[dict, dict]:
+    """Each graph's replay time (bench_ms), the graphs in turn, `rounds` times, against graphs["off"] → (a row of
+    ms per round by label, each variant's median over off's and whether its logits equal off's; the medians)."""
+    times: dict[str, list[float]] = {label: [] for label in graphs}
+    for _ in range(rounds):
+        for label, g in graphs.items():
+            times[label].append(bench_ms(g.replay))
+    med = {label: sorted(ts)[len(ts) // 2] for label, ts in times.items()}
+    row: dict = {f"{label}_ms": [round(t, 4) for t in ts] for label, ts in times.items()}
+    for label in graphs:
+        if label != "off":
+            row[f"{label}_over_off"] = round(med[label] / med["off"], 4)
+            row[f"{label}_same_logits"] = bool(torch.equal(logits["off"], logits[label]))
+    return row, med
+
+
 class Batch:
     """B sequences of seq_len tokens each (the last one new) over distinct pages of the cache."""
 
@@ -843,12 +868,7 @@ def main() -> int:
                 graphs, logits = {}, {}
                 for level in levels:
                     pdl.set_enabled(level > 0, level=level)
-                    captured: dict = {}
-                    fn = full(mb)
-                    g = graph_of(lambda: captured.__setitem__("logits", fn()))  # the last call's is the graph's
-                    g.replay()
-                    torch.cuda.synchronize()
-                    graphs[level], logits[level] = g, captured["logits"].clone()
+                    graphs[level], logits[level] = capture_with_logits(full(mb))
                 pdl.set_enabled(False)
                 times: dict[int, list[float]] = {level: [] for level in levels}
                 for _ in range(3):
@@ -881,25 +901,11 @@ def main() -> int:
                 for label, pcfg in chosen.items():
                     model.l2_prefetcher = (None if pcfg is None else
                                            l2_prefetch.L2Prefetcher(replace(pcfg, max_tokens=64), "cuda"))
-                    captured: dict = {}
-                    fn = full(mb)
-                    g = graph_of(lambda: captured.__setitem__("logits", fn()))
-                    g.replay()
-                    torch.cuda.synchronize()
-                    graphs[label], logits[label] = g, captured["logits"].clone()
+                    graphs[label], logits[label] = capture_with_logits(full(mb))
                 model.l2_prefetcher = None
-                times: dict[str, list[float]] = {label: [] for label in graphs}
-                for _ in range(3):
-                    for label, g in graphs.items():
-                        times[label].append(bench_ms(g.replay))
-                row: dict = {f"{label}_ms": [round(t, 4) for t in ts] for label, ts in times.items()}
-                off = sorted(times["off"])[1]
-                for label in graphs:
-                    if label != "off":
-                        row[f"{label}_over_off"] = round(sorted(times[label])[1] / off, 4)
-                        row[f"{label}_same_logits"] = bool(torch.equal(logits["off"], logits[label]))
+                row, med = replay_in_turn(graphs, logits)
                 if batch == 1 and ctx == 640:
-                    best = min((lb for lb in graphs if lb != "off"), key=lambda lb: sorted(times[lb])[1])
+                    best = min((lb for lb in graphs if lb != "off"), key=med.get)
                     row["best"] = best
                     row["profile_off"] = profile_graph(graphs["off"], out, "b1l2off")
                     row["profile_best"] = profile_graph(graphs[best], out, "b1l2best")
@@ -926,25 +932,11 @@ def main() -> int:
                             fused.F = LinearShim(g)
                         if spec[2]:
                             fused._row_projection = g.row_projection
-                    captured: dict = {}
-                    fn = full(mb)
-                    graphs[label] = graph_of(lambda: captured.__setitem__("logits", fn()))
-                    graphs[label].replay()
-                    torch.cuda.synchronize()
-                    logits[label] = captured["logits"].clone()
+                    graphs[label], logits[label] = capture_with_logits(full(mb))
                     fused.F, fused._row_projection = plain_f, ROW_PROJECTION
-                times: dict[str, list[float]] = {label: [] for label in graphs}
-                for _ in range(3):
-                    for label, g in graphs.items():
-                        times[label].append(bench_ms(g.replay))
-                row: dict = {f"{label}_ms": [round(t, 4) for t in ts] for label, ts in times.items()}
-                off = sorted(times["off"])[1]
-                for label in graphs:
-                    if label != "off":
-                        row[f"{label}_over_off"] = round(sorted(times[label])[1] / off, 4)
-                        row[f"{label}_same_logits"] = bool(torch.equal(logits["off"], logits[label]))
+                row, med = replay_in_turn(graphs, logits)
                 if batch == 1 and ctx == 640:
-                    best = min((lb for lb in graphs if lb != "off"), key=lambda lb: sorted(times[lb])[1])
+                    best = min((lb for lb in graphs if lb != "off"), key=med.get)
                     row["best"] = best
                     row["profile_best"] = profile_graph(graphs[best], out, "b1streams")
                 figs[f"B{batch}_L{ctx}"] = row
