@@ -21,7 +21,6 @@ import torch
 
 WEIGHT_BYTES = 16.06e9  # Llama-3.1-8B bf16, BENCHMARKS.md's roofline definition
 KV_BYTES_PER_TOKEN = 131072
-COPY_TBS = 4.27  # the machine's measured copy ceiling (re-measured below and reported beside it)
 
 
 class Suite:
@@ -84,71 +83,12 @@ def time_gpu(fn, warmup: int = 25, rep: int = 200) -> float:
 
 
 def kernel_bandwidth() -> dict:
-    """Each kernel on Llama-3.1-8B shapes: bytes it must move over its median time, vs the copy ceiling."""
-    from services.gpu_worker.kernels.decode_attention import decode_attention, num_splits_for
-    from services.gpu_worker.kernels.extend_attention import extend_attention
-    from services.gpu_worker.kernels.kv_write import kv_write
-    from services.gpu_worker.kernels.rms_norm import rms_norm
-    from services.gpu_worker.kernels.rope import rope_
-    from services.gpu_worker.kernels.rope_kv_write import rope_kv_write_
-    from services.gpu_worker.kernels.silu_mul import silu_mul
+    """The copy ceiling, then every kernel's row of bench/kernel_table.py (GPU time per call inside a CUDA graph,
+    bytes over it against the copy ceiling, error against its reference)."""
+    from bench import kernel_table
 
-    dev, bf = "cuda", torch.bfloat16
-    res: dict = {}
-    src = torch.randn(2 << 28, device=dev, dtype=bf)  # 1 GiB
-    dst = torch.empty_like(src)
-    res["copy_1GiB"] = _row(2 * src.numel() * 2, time_gpu(lambda: dst.copy_(src)))
-    del src, dst
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for batch, seq_len in ((1, 4096), (64, 2048), (256, 1504)):
-        pages = batch * seq_len // 16
-        k_cache = torch.randn((pages + 1, 16, 8, 128), device=dev, dtype=bf)
-        v_cache = torch.randn_like(k_cache)
-        table = (torch.randperm(pages, device=dev).to(torch.int32) + 1).view(batch, -1)
-        lens = torch.full((batch,), seq_len, dtype=torch.int32, device=dev)
-        q = torch.randn((batch, 32, 128), device=dev, dtype=bf)
-        splits = num_splits_for(batch, 8, num_sms)
-        t = time_gpu(lambda: decode_attention(q, k_cache, v_cache, table, lens, splits))
-        res[f"decode_attention_B{batch}_L{seq_len}"] = {**_row(batch * seq_len * 8 * 128 * 2 * 2, t), "splits": splits}
-        del k_cache, v_cache
-    for num_seqs, q_len in ((4, 512), (1, 2048)):
-        pages = num_seqs * q_len // 16
-        k_cache = torch.randn((pages + 1, 16, 8, 128), device=dev, dtype=bf)
-        v_cache = torch.randn_like(k_cache)
-        table = (torch.arange(pages, device=dev, dtype=torch.int32) + 1).view(num_seqs, -1)
-        lens = torch.full((num_seqs,), q_len, dtype=torch.int32, device=dev)
-        qs = torch.arange(num_seqs + 1, device=dev, dtype=torch.int32) * q_len
-        q = torch.randn((num_seqs * q_len, 32, 128), device=dev, dtype=bf)
-        t = time_gpu(lambda: extend_attention(q, k_cache, v_cache, qs, lens, table, q_len))
-        flops = num_seqs * 32 * 4 * 128 * q_len * q_len / 2  # causal: QK and PV, 2 flops per MAC
-        res[f"extend_attention_{num_seqs}x{q_len}"] = {"seconds": t, "tflops": flops / t / 1e12}
-    for tokens in (1, 256, 4096):
-        x, r = torch.randn((tokens, 4096), device=dev, dtype=bf), torch.randn((tokens, 4096), device=dev, dtype=bf)
-        w = torch.randn(4096, device=dev, dtype=bf)
-        res[f"rms_norm_residual_T{tokens}"] = _row(4 * tokens * 4096 * 2, time_gpu(lambda: rms_norm(x, w, 1e-5, r)))
-        qkv = torch.randn((tokens, 48, 128), device=dev, dtype=bf)
-        pos = torch.randint(0, 8192, (tokens,), device=dev)
-        inv = torch.rand(64, device=dev)
-        res[f"rope_T{tokens}"] = _row(2 * tokens * 40 * 128 * 2,
-                                      time_gpu(lambda: rope_(qkv[:, :32], qkv[:, 32:40], pos, inv)))
-        gu = torch.randn((tokens, 2 * 14336), device=dev, dtype=bf)
-        res[f"silu_mul_T{tokens}"] = _row(3 * tokens * 14336 * 2, time_gpu(lambda: silu_mul(gu)))
-        kc = torch.randn((tokens // 16 + 2, 16, 8, 128), device=dev, dtype=bf)
-        vc = torch.randn_like(kc)
-        slots = torch.randperm(tokens, device=dev).to(torch.int32) + 16
-        res[f"kv_write_T{tokens}"] = _row(4 * tokens * 8 * 128 * 2, time_gpu(
-            lambda: kv_write(qkv[:, 32:40], qkv[:, 40:], kc, vc, slots)))
-        # fused: q read+written (32 heads), k and v read and written to the cache (8 heads each)
-        res[f"rope_kv_write_T{tokens}"] = _row((2 * 32 + 4 * 8) * tokens * 128 * 2, time_gpu(
-            lambda: rope_kv_write_(qkv[:, :32], qkv[:, 32:40], qkv[:, 40:], pos, inv, kc, vc, slots)))
-        res[f"rope_then_kv_write_T{tokens}_us"] = round(
-            res[f"rope_T{tokens}"]["us"] + res[f"kv_write_T{tokens}"]["us"], 2)
-    return res
-
-
-def _row(num_bytes: float, seconds: float) -> dict:
-    return {"bytes": num_bytes, "us": round(seconds * 1e6, 2), "tb_s": round(num_bytes / seconds / 1e12, 3),
-            "frac_of_copy": round(num_bytes / seconds / 1e12 / COPY_TBS, 3)}
+    copy_tbs = kernel_table.copy_bandwidth()
+    return {"copy_1GiB": {"tb_s": round(copy_tbs, 3)}, **kernel_table.table(copy_tbs=copy_tbs)}
 
 
 def make_engine(loaded, max_num_seqs: int, chunk: int, graphs: bool = True, staging: str = "stream",

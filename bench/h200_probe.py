@@ -27,13 +27,15 @@ model/fused.py driven directly over a hand-built paged cache.
  10. (multistep) K = 1, 2, 4, 8 decode steps chained in one graph through the in-graph argmax, replay time per
      step; the K = 1 graph replayed between the engine's copies in and out, and the idle time between replays;
  11. (streams) the projections cut into 2 or 4 parts run at once on side streams, per projection at M = 1 and in
-     the whole forward's graph replay against one GEMM each.
+     the whole forward's graph replay against one GEMM each;
+ 12. (tiles_engine) the engine's batch-1 steps, bf16 and FP8 cache, with the graph captured under split kernel
+     tiles of fewer keys, in turn (bench/kernel_table.py --tile-sweep times the kernel alone).
 
 Phase "merge" (the decode kernel merging its own splits by an atomic ticket per sequence and KV head) ran from
 commit cfe5e49, which holds it and the kernel option; both were removed after the run
 (bench/results/h200_probe_20261203_k_merge.json).
 
-    python -m bench.h200_probe --out $OUT [--phases gemv,batch1,...,l2pf,l2pf_engine,multistep,streams]
+    python -m bench.h200_probe --out $OUT [--phases gemv,batch1,...,multistep,streams,tiles_engine]
 
 Phase 1 runs with the fused decode kernel (RoPE + KV write inside the split-K kernel) and with the separate
 rope_kv_write_ and decode kernels (TritonAttention(fuse_decode=False)), in the same run.
@@ -364,21 +366,29 @@ def engine_batch1(out: Path) -> dict:
             "host_calls_per_step_us": [(k, round(t, 1), round(n, 1)) for k, t, n in top_cpu]}
 
 
-def engine_batch1_prefetch(pcfg: l2_prefetch.PrefetchConfig, rounds: int = 5, steps: int = 60) -> dict:
-    """The engine's batch-1 decode steps (overlap mode, 512-token prompt) with its graph captured without and with
-    the L2 prefetch `pcfg`, in turn: `rounds` rounds of `steps` steps each."""
-    from services.gpu_worker.cuda_graphs import DecodeGraphs
+def batch1_engine(kv_cache_dtype: str = "auto"):
+    """An engine of one sequence (random:llama3-8b, overlap mode) 20 steps into decoding a 512-token prompt, with
+    4000 tokens to go."""
     from services.gpu_worker.model.loader import load_model
     from services.gpu_worker.request import SamplingParams
 
     loaded = load_model("random:llama3-8b", dtype=torch.bfloat16, device="cuda", seed=0)
-    engine = make_engine(loaded, max_num_seqs=1, chunk=8192)
+    engine = make_engine(loaded, max_num_seqs=1, chunk=8192, kv_cache_dtype=kv_cache_dtype)
     loaded.state_dict.clear()
     torch.cuda.empty_cache()
     engine.add_request("p", list(range(100, 612)),
                        SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True))
     for _ in range(20):
         engine.step()
+    return engine
+
+
+def engine_batch1_prefetch(pcfg: l2_prefetch.PrefetchConfig, rounds: int = 5, steps: int = 60) -> dict:
+    """The engine's batch-1 decode steps (overlap mode, 512-token prompt) with its graph captured without and with
+    the L2 prefetch `pcfg`, in turn: `rounds` rounds of `steps` steps each."""
+    from services.gpu_worker.cuda_graphs import DecodeGraphs
+
+    engine = batch1_engine()
     variants = {"off": engine.graphs}
     engine.model.l2_prefetcher = l2_prefetch.L2Prefetcher(pcfg, engine.device)
     variants["on"] = DecodeGraphs(engine.model, engine.kv, engine.backend, 1, engine.max_seq_len)
@@ -390,6 +400,30 @@ def engine_batch1_prefetch(pcfg: l2_prefetch.PrefetchConfig, rounds: int = 5, st
             "step_ms": {k: [round(x, 4) for x in v] for k, v in step_ms.items()},
             "median_ms": {k: round(v, 4) for k, v in med.items()}, "on_over_off": round(med["on"] / med["off"], 4),
             "tpot_over_roofline_on": round(med["on"] / 3.76, 4)}
+
+
+def engine_batch1_tiles(tiles: dict, kv_cache_dtype: str = "auto", rounds: int = 5, steps: int = 60) -> dict:
+    """The engine's batch-1 decode steps (overlap mode, 512-token prompt) with its graph captured under each split
+    kernel tile of `tiles` (label → tile, None: the default), in turn: `rounds` rounds of `steps` steps each."""
+    from services.gpu_worker.cuda_graphs import DecodeGraphs
+    from services.gpu_worker.kernels import decode_attention as da
+
+    engine = batch1_engine(kv_cache_dtype)
+    default_tile = da.default_tile
+    variants = {}
+    for label, tile in tiles.items():
+        da.default_tile = default_tile if tile is None else (lambda *_, t=tile: t)
+        variants[label] = DecodeGraphs(engine.model, engine.kv, engine.backend, 1, engine.max_seq_len)
+        variants[label].capture()
+    da.default_tile = default_tile
+    step_ms = alternate_graphs(engine, variants, rounds, steps)
+    med = {k: sorted(v)[len(v) // 2] for k, v in step_ms.items()}
+    first = next(iter(med))
+    return {"kv_cache_dtype": str(engine.kv.dtype), "tiles": {k: list(t) if t else None for k, t in tiles.items()},
+            "step_ms": {k: [round(x, 4) for x in v] for k, v in step_ms.items()},
+            "median_ms": {k: round(v, 4) for k, v in med.items()},
+            "over_first": {k: round(v / med[first], 4) for k, v in med.items()},
+            "tpot_over_roofline": {k: round(v / 3.76, 4) for k, v in med.items()}}
 
 
 def w1_mixed_steps(num_requests: int) -> dict:
@@ -697,7 +731,7 @@ def main() -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     p.add_argument("--phases", default="gemv,batch1,splits,micro,engine,mixed",
                    help="comma-separated; also gemv_split, argmax, splitk, norm, pdl, fp8kv, fp8tune, l2pf, "
-                        "l2pf_engine, multistep, streams")
+                        "l2pf_engine, multistep, streams, tiles_engine")
     p.add_argument("--mixed-requests", type=int, default=1000, help="W1 requests for the mixed-steps phase")
     p.add_argument("--fp8tune-shapes", default="64x1504,384x1504", help="fp8tune: batch x context, comma-separated")
     p.add_argument("--fp8tune-tiles", default="",
@@ -740,6 +774,14 @@ def main() -> int:
     if "mixed" in phases:
         save("w1_mixed_steps", w1_mixed_steps(args.mixed_requests))
         torch.cuda.empty_cache()
+    if "tiles_engine" in phases:  # the split kernel's tile at batch 1 (bench/kernel_table.py --tile-sweep)
+        for cache, tiles in (("auto", {"default": None, "bf16_32x4": (32, 4, 2, False, 0, False),
+                                       "bf16_16x4": (16, 4, 2, False, 0, False)}),
+                             ("fp8", {"default": None, "fp8_32x4": (32, 4, 2, True, 0, True),
+                                      "fp8_64x4": (64, 4, 2, True, 0, True)})):
+            save(f"engine_batch1_tiles_{cache}", engine_batch1_tiles(tiles, cache))
+            gc.collect()
+            torch.cuda.empty_cache()
     if not phases & {"batch1", "splits", "micro", "splitk", "norm", "pdl", "fp8kv", "l2pf", "multistep", "streams"}:
         if "l2pf_engine" in phases:
             save("engine_batch1_l2_prefetch", engine_batch1_prefetch(l2_prefetch.DEFAULT_CONFIG))

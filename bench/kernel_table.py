@@ -1,0 +1,413 @@
+"""Each Triton kernel the engine runs, checked against its torch reference and timed as GPU work inside a CUDA graph.
+
+A row gives the kernel's µs per call; the bytes a call must move (each tensor it reads or writes, once); those bytes
+over the time as TB/s and as a fraction of the copy bandwidth measured in the same run; and the call's error against
+the kernel's reference on the same inputs (‖out − ref‖ / ‖ref‖; for argmax, the fraction of rows that differ).
+
+Why graphs: `triton.testing.do_bench` around one eager launch also times the host's launch, 15–40 µs, for kernels
+the GPU runs in 2–5 µs (docs/PERFORMANCE.md's first kernel table). Here a row's graph holds `calls` launches, each
+over inputs of its own, and one replay (do_bench flushes L2 before it) is divided by `calls`. So each input comes
+from DRAM, and a row is what the kernel costs as a node of the engine's graphs: its GPU time plus the gap to the
+next node. The row `empty`, a kernel of one program that does nothing, is that floor.
+
+    python -m bench.kernel_table --out $OUT [--tile-sweep]      # Llama-3.1-8B shapes, on the GPU
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import triton
+import triton.testing
+
+BYTES_PER_GRAPH = 256 << 20  # a row's calls touch about this much together (five times the H200's 50 MB L2)
+MAX_CALLS = 64
+FP8 = torch.float8_e4m3fn
+
+Call = Callable[[], object]
+Timer = Callable[[list[Call]], float]
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """A model's shapes and the rows to measure on them."""
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    vocab: int
+    page_size: int
+    decode: tuple  # (batch, context) of the decode attention rows
+    tokens: tuple  # tokens per call of the per-token kernels' rows
+    extend: tuple  # (sequences, new tokens each) of the extend attention rows
+    argmax_rows: tuple
+
+
+LLAMA3_8B = Shapes(hidden=4096, heads=32, kv_heads=8, head_dim=128, inter=14336, vocab=128256, page_size=16,
+                   decode=((1, 640), (1, 4096), (8, 640), (64, 2048), (128, 640), (256, 1504), (384, 1504)),
+                   tokens=(1, 256, 4096), extend=((4, 512), (1, 2048)), argmax_rows=(1, 128))
+
+
+def graph_timer(calls: list[Call]) -> float:
+    """Seconds per call: each call run once (compiling), then all captured in one CUDA graph whose replay is timed
+    by do_bench (median; L2 flushed before each replay)."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    torch.cuda.synchronize()
+    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=100, return_mode="median")
+    del graph
+    return ms * 1e-3 / len(calls)
+
+
+def eager_timer(calls: list[Call]) -> float:
+    """Seconds per call, launched one by one: for the CPU (Triton's interpreter), where only the rows' plumbing and
+    errors mean anything."""
+    start = time.perf_counter()
+    for call in calls:
+        call()
+    return (time.perf_counter() - start) / len(calls)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out64, ref64 = out.double(), ref.double()
+    return float((out64 - ref64).norm() / ref64.norm().clamp_min(1e-30))
+
+
+@triton.jit
+def _empty_kernel(x_ptr):
+    pass
+
+
+class Table:
+    """The rows, measured in turn. build(i) → (call, error) gives copy i's call over inputs of its own; error (used
+    for copy 0 only) runs that call once and returns its error against the reference."""
+
+    def __init__(self, shapes: Shapes, timer: Timer, max_calls: int, copy_tbs: float | None, device: str,
+                 dtype: torch.dtype) -> None:
+        self.s, self.timer, self.max_calls, self.copy_tbs, self.dev = shapes, timer, max_calls, copy_tbs, device
+        self.dtype, self.esize = dtype, dtype.itemsize  # the activations'
+        self.rows: dict[str, dict] = {}
+        # the CPU's (the interpreter's) few multiprocessors keep its split counts, and so its runs, small
+        self.num_sms = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 4
+
+    def measure(self, name: str, num_bytes: int, build: Callable[[int], tuple[Call, Callable[[], float]]],
+                flops: float = 0.0, **extra) -> dict:
+        calls = max(2, min(self.max_calls, -(-BYTES_PER_GRAPH // max(1, num_bytes))))
+        torch.manual_seed(0)
+        first, error = build(0)
+        err = error()
+        copies = [first]
+        for i in range(1, calls):
+            torch.manual_seed(i)
+            copies.append(build(i)[0])
+        seconds = self.timer(copies)
+        row = {"us": round(seconds * 1e6, 2), "bytes": num_bytes, "calls": calls, "rel_err": float(f"{err:.3g}"),
+               **extra}
+        if num_bytes:
+            row["tb_s"] = round(num_bytes / seconds / 1e12, 3)
+            if self.copy_tbs:
+                row["of_copy"] = round(num_bytes / seconds / 1e12 / self.copy_tbs, 3)
+        if flops:
+            row["tflops"] = round(flops / seconds / 1e12, 1)
+        self.rows[name] = row
+        del copies, first
+        if self.dev == "cuda":
+            torch.cuda.empty_cache()
+        return row
+
+    def randn(self, *shape, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return torch.randn(shape, device=self.dev).to(dtype or self.dtype)
+
+    def cache_name(self, cache_dtype: torch.dtype) -> str:
+        return {FP8: "fp8", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[cache_dtype]
+
+    def inv_freq(self) -> torch.Tensor:
+        from services.gpu_worker.model.presets import preset
+        from services.gpu_worker.model.rope import inv_frequencies
+
+        return inv_frequencies(self.s.head_dim, 500000.0, preset("llama3-8b").rope_scaling).to(self.dev)
+
+    # --- the rows ---------------------------------------------------------------------------------------------
+
+    def empty(self) -> None:
+        x = torch.zeros(1, device=self.dev)
+        self.measure("empty", 0, lambda i: (lambda: _empty_kernel[(1,)](x), lambda: 0.0))
+
+    def decode(self, batch: int, context: int, cache_dtype: torch.dtype, tile: tuple | None = None) -> None:
+        """The engine's decode step: decode_attention_rope (RoPE of the new token's q and k, its k and v written
+        into the cache, attention over the `context` keys, split-K with its reduce where the batch is small).
+        tile: the split kernel's (decode_attention.default_tile's where None; named in the row's key)."""
+        from services.gpu_worker.kernels.decode_attention import (decode_attention_ref, decode_attention_rope,
+                                                                  num_splits_for, tile_name)
+        from services.gpu_worker.kernels.rope import rope_ref
+        from services.gpu_worker.kv_cache import v_rows, write_slots
+
+        s = self.s
+        splits = num_splits_for(batch, s.kv_heads, self.num_sms)
+        per_seq = -(-context // s.page_size)
+        esize = cache_dtype.itemsize
+
+        def build(i: int):
+            num_pages = batch * per_seq + 1
+            k_cache = self.randn(num_pages, s.page_size, s.kv_heads, s.head_dim, dtype=cache_dtype)
+            v_cache = self.randn(num_pages, s.page_size, s.kv_heads, s.head_dim, dtype=cache_dtype)
+            table = (torch.randperm(num_pages - 1, device=self.dev)[:batch * per_seq] + 1).to(torch.int32)
+            table = table.view(batch, per_seq)
+            lens = torch.full((batch,), context, dtype=torch.int32, device=self.dev)
+            positions = lens - 1
+            slots = (table.gather(1, (positions // s.page_size).long()[:, None])[:, 0] * s.page_size
+                     + positions % s.page_size)
+            qkv = self.randn(batch, s.heads + 2 * s.kv_heads, s.head_dim)
+            q, k, v = qkv[:, :s.heads], qkv[:, s.heads:s.heads + s.kv_heads], qkv[:, s.heads + s.kv_heads:]
+            inv_freq = self.inv_freq()
+            out = torch.empty_like(q)
+
+            def call():
+                decode_attention_rope(q, k, v, positions, inv_freq, k_cache, v_cache, slots, table, lens, splits,
+                                      out=out, tile=tile)
+
+            def error() -> float:
+                rq, rk = rope_ref(q, k, positions, inv_freq)
+                kc, vc = k_cache.clone(), v_cache.clone()
+                write_slots(kc, vc, slots.long(), rk, v)
+                ref = decode_attention_ref(rq, kc.float(), v_rows(vc).float(), table, lens)
+                call()
+                return rel_err(out, ref)
+
+            return call, error
+
+        kv_bytes = batch * context * s.kv_heads * s.head_dim * 2 * esize
+        qkv_out_bytes = batch * (2 * s.heads + 2 * s.kv_heads) * s.head_dim * self.esize
+        name = f"decode_{self.cache_name(cache_dtype)}_B{batch}_L{context}" + (f"_{tile_name(tile)}" if tile else "")
+        self.measure(name, kv_bytes + qkv_out_bytes, build, splits=splits)
+
+    def extend(self, num_seqs: int, new_tokens: int) -> None:
+        """Prefill attention: `new_tokens` causal queries per sequence over its keys, no cached prefix."""
+        from services.gpu_worker.kernels.extend_attention import extend_attention, extend_attention_ref
+
+        s = self.s
+        per_seq = -(-new_tokens // s.page_size)
+
+        def build(i: int):
+            num_pages = num_seqs * per_seq + 1
+            k_cache = self.randn(num_pages, s.page_size, s.kv_heads, s.head_dim)
+            v_cache = self.randn(num_pages, s.page_size, s.kv_heads, s.head_dim)
+            table = (torch.arange(num_seqs * per_seq, device=self.dev, dtype=torch.int32) + 1).view(num_seqs, -1)
+            lens = torch.full((num_seqs,), new_tokens, dtype=torch.int32, device=self.dev)
+            starts = torch.arange(num_seqs + 1, device=self.dev, dtype=torch.int32) * new_tokens
+            q = self.randn(num_seqs * new_tokens, s.heads, s.head_dim)
+            out = torch.empty_like(q)
+
+            def call():
+                extend_attention(q, k_cache, v_cache, starts, lens, table, new_tokens, out=out)
+
+            def error() -> float:
+                call()
+                return rel_err(out, extend_attention_ref(q, k_cache, v_cache, starts, lens, table))
+
+            return call, error
+
+        flops = num_seqs * s.heads * 4 * s.head_dim * new_tokens * new_tokens / 2  # causal; QK and PV
+        num_bytes = num_seqs * new_tokens * (2 * s.heads + 2 * s.kv_heads) * s.head_dim * self.esize
+        self.measure(f"extend_{num_seqs}x{new_tokens}", num_bytes, build, flops=flops)
+
+    def rms_norm(self, tokens: int, parts: int) -> None:
+        """RMSNorm after the residual add; parts > 1: of the split-K projection's fp32 partials (batches ≤ 32)."""
+        from services.gpu_worker.kernels.rms_norm import rms_norm, rms_norm_ref
+
+        h = self.s.hidden
+
+        def build(i: int):
+            x = (self.randn(parts, tokens, h, dtype=torch.float32) if parts > 1 else self.randn(tokens, h))
+            r, w = self.randn(tokens, h), self.randn(h)
+
+            def call():
+                return rms_norm(x, w, 1e-5, r)
+
+            def error() -> float:
+                (y, res), (ry, rres) = call(), rms_norm_ref(x, w, 1e-5, r)
+                return max(rel_err(y, ry), rel_err(res, rres))
+
+            return call, error
+
+        x_bytes = parts * tokens * h * 4 if parts > 1 else tokens * h * self.esize
+        name = f"rms_norm_T{tokens}" + (f"_{parts}_partials" if parts > 1 else "")
+        self.measure(name, x_bytes + 3 * tokens * h * self.esize, build)
+
+    def rope_kv_write(self, tokens: int, cache_dtype: torch.dtype) -> None:
+        """A prefill chunk's RoPE and KV write: q rotated in place, rotated k and v into their cache slots."""
+        from services.gpu_worker.kernels.rope import rope_ref
+        from services.gpu_worker.kernels.rope_kv_write import rope_kv_write_
+        from services.gpu_worker.kv_cache import v_rows, write_slots
+
+        s = self.s
+        esize = cache_dtype.itemsize
+
+        def build(i: int):
+            num_pages = -(-tokens // s.page_size) + 1
+            k_cache = self.randn(num_pages, s.page_size, s.kv_heads, s.head_dim, dtype=cache_dtype)
+            v_cache = self.randn(num_pages, s.page_size, s.kv_heads, s.head_dim, dtype=cache_dtype)
+            slots = (torch.randperm(tokens, device=self.dev) + s.page_size).to(torch.int32)
+            positions = torch.randint(0, 8192, (tokens,), device=self.dev, dtype=torch.int32)
+            qkv = self.randn(tokens, s.heads + 2 * s.kv_heads, s.head_dim)
+            q, k, v = qkv[:, :s.heads], qkv[:, s.heads:s.heads + s.kv_heads], qkv[:, s.heads + s.kv_heads:]
+            inv_freq = self.inv_freq()
+
+            def call():
+                rope_kv_write_(q, k, v, positions, inv_freq, k_cache, v_cache, slots)
+
+            def error() -> float:
+                rq, rk = rope_ref(q, k, positions, inv_freq)
+                kc, vc = k_cache.clone(), v_cache.clone()
+                write_slots(kc, vc, slots.long(), rk, v)
+                call()
+                return max(rel_err(q, rq), rel_err(k_cache.float(), kc.float()),
+                           rel_err(v_rows(v_cache).float(), v_rows(vc).float()))
+
+            return call, error
+
+        num_bytes = tokens * s.head_dim * ((2 * s.heads + 2 * s.kv_heads) * self.esize + 2 * s.kv_heads * esize)
+        self.measure(f"rope_kv_write_{self.cache_name(cache_dtype)}_T{tokens}", num_bytes, build)
+
+    def silu_mul(self, tokens: int) -> None:
+        from services.gpu_worker.kernels.silu_mul import silu_mul, silu_mul_ref
+
+        def build(i: int):
+            x = self.randn(tokens, 2 * self.s.inter)
+            return (lambda: silu_mul(x)), (lambda: rel_err(silu_mul(x), silu_mul_ref(x)))
+
+        self.measure(f"silu_mul_T{tokens}", 3 * tokens * self.s.inter * self.esize, build)
+
+    def argmax(self, rows: int) -> None:
+        """The graph's greedy pick over fp32 logits."""
+        from services.gpu_worker.kernels.argmax import argmax_rows, argmax_rows_ref
+
+        def build(i: int):
+            logits = self.randn(rows, self.s.vocab, dtype=torch.float32)
+            out = torch.empty(rows, dtype=torch.int64, device=self.dev)
+
+            def error() -> float:
+                argmax_rows(logits, out=out)
+                return float((out != argmax_rows_ref(logits)).float().mean())
+
+            return (lambda: argmax_rows(logits, out=out)), error
+
+        self.measure(f"argmax_{rows}x{self.s.vocab}", rows * self.s.vocab * 4, build)
+
+    def embedding(self, tokens: int, weight: torch.Tensor) -> None:
+        """The graph's first kernel: each token's row of the embedding table (one table for every call)."""
+        from services.gpu_worker.kernels.embedding import embedding_fed, embedding_fed_ref
+
+        def build(i: int):
+            ids = torch.randint(0, self.s.vocab, (tokens,), device=self.dev, dtype=torch.int32)
+            src = torch.full((tokens,), -1, device=self.dev, dtype=torch.int32)
+            prev = torch.zeros(1, device=self.dev, dtype=torch.int64)
+            return ((lambda: embedding_fed(weight, ids, src, prev)),
+                    (lambda: rel_err(embedding_fed(weight, ids, src, prev), embedding_fed_ref(weight, ids, src, prev))))
+
+        self.measure(f"embedding_T{tokens}", 2 * tokens * self.s.hidden * self.esize, build)
+
+
+def copy_bandwidth() -> float:
+    """TB/s of a 1 GiB device-to-device copy (read + write), median under do_bench."""
+    src = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    return 2 * src.numel() * 2 / (ms * 1e-3) / 1e12
+
+
+def table(shapes: Shapes = LLAMA3_8B, timer: Timer = graph_timer, max_calls: int = MAX_CALLS,
+          copy_tbs: float | None = None, device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Every row of `shapes`, in order: {name: row}. dtype: the activations' and the plain cache's (the CPU's
+    interpreter runs fp32)."""
+    t = Table(shapes, timer, max_calls, copy_tbs, device, dtype)
+    t.empty()
+    for cache_dtype in (dtype, FP8):
+        for batch, context in shapes.decode:
+            t.decode(batch, context, cache_dtype)
+    for num_seqs, new_tokens in shapes.extend:
+        t.extend(num_seqs, new_tokens)
+    weight = t.randn(shapes.vocab, shapes.hidden)
+    for tokens in shapes.tokens:
+        t.rms_norm(tokens, 1)
+        if tokens <= 32:
+            t.rms_norm(tokens, 4)
+        for cache_dtype in (dtype, FP8):
+            t.rope_kv_write(tokens, cache_dtype)
+        t.silu_mul(tokens)
+        t.embedding(tokens, weight)
+    for rows in shapes.argmax_rows:
+        t.argmax(rows)
+    return t.rows
+
+
+# The split kernel's tile for launches of many splits (small batches), where a split covers few keys: a sequence's
+# keys are cut into chunks of whole tiles, so at 640 keys and 32 splits a 64-key tile leaves 22 splits empty and a
+# 128-key one (the FP8 default) 27. (keys, warps, stages, fp16 dots, register cap, assembly unpacking)
+SWEEP_SHAPES = ((1, 640), (1, 1024), (1, 4096), (4, 640), (8, 640), (8, 2048), (16, 1504))
+SWEEP_TILES = {torch.bfloat16: ((16, 2, 2, False, 0, False), (16, 4, 2, False, 0, False), (32, 2, 2, False, 0, False),
+                                (32, 4, 2, False, 0, False), (64, 4, 2, False, 0, False)),
+               FP8: ((32, 2, 2, True, 0, True), (32, 4, 2, True, 0, True), (64, 4, 2, True, 0, True),
+                     (128, 4, 2, True, 0, True))}
+
+
+def tile_sweep(shapes: Shapes = LLAMA3_8B, timer: Timer = graph_timer, max_calls: int = MAX_CALLS,
+               copy_tbs: float | None = None, device: str = "cuda", sweep_shapes: tuple = SWEEP_SHAPES,
+               tiles: dict | None = None, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The decode rows of `sweep_shapes` with each tile of `tiles` (SWEEP_TILES': cache dtype → tiles); dtype: the
+    activations'."""
+    t = Table(shapes, timer, max_calls, copy_tbs, device, dtype)
+    for cache_dtype, dtype_tiles in (tiles or SWEEP_TILES).items():
+        for batch, context in sweep_shapes:
+            for tile in dtype_tiles:
+                t.decode(batch, context, cache_dtype, tile)
+    return t.rows
+
+
+def markdown(rows: dict) -> str:
+    lines = ["| kernel | µs per call | TB/s | of copy | TFLOP/s | error |", "| --- | --- | --- | --- | --- | --- |"]
+    for name, r in rows.items():
+        lines.append(f"| {name} | {r['us']} | {r.get('tb_s', '')} | {r.get('of_copy', '')} | {r.get('tflops', '')} "
+                     f"| {r['rel_err']:.2g} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    p.add_argument("--tile-sweep", action="store_true", help="also the decode kernel by tile at small batches "
+                   "(SWEEP_SHAPES x SWEEP_TILES), under the key tile_sweep")
+    p.add_argument("--no-table", action="store_true", help="leave out the kernels' rows (with --tile-sweep)")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("kernel_table needs a CUDA device", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    copy_tbs = copy_bandwidth()
+    record = {"command": "python -m bench.kernel_table " + " ".join(sys.argv[1:]),
+              "hardware": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "date": time.strftime("%Y-%m-%d"), "copy_tb_s": round(copy_tbs, 3)}
+    parts = ({} if args.no_table else {"rows": table}) | ({"tile_sweep": tile_sweep} if args.tile_sweep else {})
+    for key, run in parts.items():
+        record[key] = run(copy_tbs=copy_tbs)
+        (out / "kernel_table.json").write_text(json.dumps(record, indent=2))
+        print(markdown(record[key]), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,66 @@
+"""bench/kernel_table.py on small shapes: every row runs its kernel on inputs it built and matches the kernel's
+reference, so a miswired row fails here and not inside a device call; and its bytes and call counts are the ones
+the table's docstring defines."""
+from __future__ import annotations
+
+import torch
+
+from bench import kernel_table as kt
+from tests.kernels.helpers import DEVICE
+
+SMALL = kt.Shapes(hidden=64, heads=4, kv_heads=2, head_dim=16, inter=96, vocab=300, page_size=4,
+                  decode=((1, 37), (3, 20)), tokens=(1, 5), extend=((2, 9),), argmax_rows=(2,))
+
+
+def test_every_row_matches_its_reference():
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # the interpreter's dots are fp32
+    timer = kt.graph_timer if DEVICE == "cuda" else kt.eager_timer
+    rows = kt.table(SMALL, timer=timer, max_calls=2, copy_tbs=4.0, device=DEVICE, dtype=dtype)
+    plain = "bf16" if dtype == torch.bfloat16 else "fp32"
+    expected = {"empty", "extend_2x9", "argmax_2x300"}
+    expected |= {f"decode_{c}_B{b}_L{n}" for c in (plain, "fp8") for b, n in SMALL.decode}
+    for t in SMALL.tokens:
+        expected |= {f"rms_norm_T{t}", f"rope_kv_write_{plain}_T{t}", f"rope_kv_write_fp8_T{t}", f"silu_mul_T{t}",
+                     f"embedding_T{t}", f"rms_norm_T{t}_4_partials"}
+    assert set(rows) == expected
+    for name, row in rows.items():
+        # NOTE: FP8 rows are looser: on the CPU Triton's interpreter rounds a few values to FP8 one binade low
+        # (tests/kernels/test_fp8_kv.py); a wrong slot, position or head would be off by far more
+        tol = 0.1 if "fp8" in name else (2e-2 if dtype == torch.bfloat16 else 1e-5)
+        assert row["rel_err"] <= tol, (name, row)
+        assert row["us"] > 0 and row["calls"] == 2
+        assert ("tb_s" in row and "of_copy" in row) == (name != "empty")
+    assert rows["extend_2x9"]["tflops"] >= 0
+    esize = dtype.itemsize
+    # a decode call reads every cached key and value, q, k and v, and writes out (and the new k, v)
+    assert rows["decode_fp8_B3_L20"]["bytes"] == 3 * 20 * 2 * 16 * 2 * 1 + 3 * (2 * 4 + 2 * 2) * 16 * esize
+    assert rows["rms_norm_T5_4_partials"]["bytes"] == 4 * 5 * 64 * 4 + 3 * 5 * 64 * esize
+    assert rows["silu_mul_T5"]["bytes"] == 3 * 5 * 96 * esize
+
+
+def test_small_rows_take_many_calls_so_the_graph_outgrows_l2():
+    """Each call has inputs of its own; a row's calls together touch ≥ BYTES_PER_GRAPH, up to MAX_CALLS."""
+    seen = []
+
+    def timer(calls):
+        seen.append(len(calls))
+        return 1e-6
+
+    t = kt.Table(SMALL, timer, kt.MAX_CALLS, None, DEVICE, torch.float32)
+    t.measure("small", 1 << 10, lambda i: ((lambda: None), (lambda: 0.0)))
+    t.measure("large", kt.BYTES_PER_GRAPH // 4, lambda i: ((lambda: None), (lambda: 0.0)))
+    t.measure("huge", kt.BYTES_PER_GRAPH * 4, lambda i: ((lambda: None), (lambda: 0.0)))
+    assert seen == [kt.MAX_CALLS, 4, 2]
+    assert t.rows["large"]["tb_s"] == round(kt.BYTES_PER_GRAPH // 4 / 1e-6 / 1e12, 3)
+    assert "of_copy" not in t.rows["large"]  # no copy ceiling measured
+
+
+def test_the_tile_sweep_names_each_tile_and_checks_it():
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    plain = (16, 2, 2, False, 0, False)
+    fp8 = (32, 4, 2, True, 0, True)  # the unpacking assembly falls back to Triton's conversion on the CPU
+    rows = kt.tile_sweep(SMALL, timer=kt.graph_timer if DEVICE == "cuda" else kt.eager_timer, max_calls=2,
+                         device=DEVICE, sweep_shapes=((1, 37),), tiles={dtype: (plain,), kt.FP8: (fp8,)}, dtype=dtype)
+    name = "bf16" if dtype == torch.bfloat16 else "fp32"
+    assert set(rows) == {f"decode_{name}_B1_L37_16x2w2s", "decode_fp8_B1_L37_32x4w2s_f16dot_asm"}
+    assert all(row["rel_err"] < 0.02 for row in rows.values()), rows
