@@ -10,7 +10,7 @@ over inputs of its own, and one replay (do_bench flushes L2 before it) is divide
 from DRAM, and a row is what the kernel costs as a node of the engine's graphs: its GPU time plus the gap to the
 next node. The row `empty`, a kernel of one program that does nothing, is that floor.
 
-    python -m bench.kernel_table --out $OUT [--tile-sweep]      # Llama-3.1-8B shapes, on the GPU
+    python -m bench.kernel_table --out $OUT [--tile-sweep] [--split-sweep]      # Llama-3.1-8B shapes, on the GPU
 """
 from __future__ import annotations
 
@@ -146,17 +146,21 @@ class Table:
         x = torch.zeros(1, device=self.dev)
         self.measure("empty", 0, lambda i: (lambda: _empty_kernel[(1,)](x), lambda: 0.0))
 
-    def decode(self, batch: int, context: int, cache_dtype: torch.dtype, tile: tuple | None = None) -> None:
+    def decode(self, batch: int, context: int, cache_dtype: torch.dtype, tile: tuple | None = None,
+               splits: int | None = None) -> None:
         """The engine's decode step: decode_attention_rope (RoPE of the new token's q and k, its k and v written
         into the cache, attention over the `context` keys, split-K with its reduce where the batch is small).
-        tile: the split kernel's (decode_attention.default_tile's where None; named in the row's key)."""
+        tile, splits: the split kernel's tile and split count (where None, decode_attention.default_tile's and
+        num_splits_for's; where given, named in the row's key)."""
         from services.gpu_worker.kernels.decode_attention import (decode_attention_ref, decode_attention_rope,
                                                                   num_splits_for, tile_name)
         from services.gpu_worker.kernels.rope import rope_ref
         from services.gpu_worker.kv_cache import v_rows, write_slots
 
         s = self.s
-        splits = num_splits_for(batch, s.kv_heads, self.num_sms)
+        name = (f"decode_{self.cache_name(cache_dtype)}_B{batch}_L{context}" + (f"_{tile_name(tile)}" if tile else "")
+                + (f"_{splits}splits" if splits else ""))
+        splits = splits or num_splits_for(batch, s.kv_heads, self.num_sms)
         per_seq = -(-context // s.page_size)
         esize = cache_dtype.itemsize
 
@@ -191,7 +195,6 @@ class Table:
 
         kv_bytes = batch * context * s.kv_heads * s.head_dim * 2 * esize
         qkv_out_bytes = batch * (2 * s.heads + 2 * s.kv_heads) * s.head_dim * self.esize
-        name = f"decode_{self.cache_name(cache_dtype)}_B{batch}_L{context}" + (f"_{tile_name(tile)}" if tile else "")
         self.measure(name, kv_bytes + qkv_out_bytes, build, splits=splits)
 
     def extend(self, num_seqs: int, new_tokens: int) -> None:
@@ -377,6 +380,24 @@ def tile_sweep(shapes: Shapes = LLAMA3_8B, timer: Timer = graph_timer, max_calls
     return t.rows
 
 
+# The split count at the batches where num_splits_for gives one split (W0's 128 sequences, W1's 384-512): more
+# programs per sequence, shorter loops, against the reduce kernel's launch and the partials' bytes.
+SPLIT_SHAPES = ((64, 2048), (128, 640), (128, 1024), (256, 1504), (512, 1504))
+SPLIT_COUNTS = (1, 2, 4)
+
+
+def split_sweep(shapes: Shapes = LLAMA3_8B, timer: Timer = graph_timer, max_calls: int = MAX_CALLS,
+                copy_tbs: float | None = None, device: str = "cuda", sweep_shapes: tuple = SPLIT_SHAPES,
+                counts: tuple = SPLIT_COUNTS, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The decode rows of `sweep_shapes` by split count, with each cache dtype's default tile."""
+    t = Table(shapes, timer, max_calls, copy_tbs, device, dtype)
+    for cache_dtype in (dtype, FP8):
+        for batch, context in sweep_shapes:
+            for splits in counts:
+                t.decode(batch, context, cache_dtype, splits=splits)
+    return t.rows
+
+
 def markdown(rows: dict) -> str:
     lines = ["| kernel | µs per call | TB/s | of copy | TFLOP/s | error |", "| --- | --- | --- | --- | --- | --- |"]
     for name, r in rows.items():
@@ -390,7 +411,9 @@ def main() -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     p.add_argument("--tile-sweep", action="store_true", help="also the decode kernel by tile at small batches "
                    "(SWEEP_SHAPES x SWEEP_TILES), under the key tile_sweep")
-    p.add_argument("--no-table", action="store_true", help="leave out the kernels' rows (with --tile-sweep)")
+    p.add_argument("--split-sweep", action="store_true", help="also the decode kernel by split count at large batches "
+                   "(SPLIT_SHAPES x SPLIT_COUNTS), under the key split_sweep")
+    p.add_argument("--no-table", action="store_true", help="leave out the kernels' rows (with a sweep)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("kernel_table needs a CUDA device", file=sys.stderr)
@@ -401,7 +424,8 @@ def main() -> int:
     record = {"command": "python -m bench.kernel_table " + " ".join(sys.argv[1:]),
               "hardware": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "date": time.strftime("%Y-%m-%d"), "copy_tb_s": round(copy_tbs, 3)}
-    parts = ({} if args.no_table else {"rows": table}) | ({"tile_sweep": tile_sweep} if args.tile_sweep else {})
+    parts = (({} if args.no_table else {"rows": table}) | ({"tile_sweep": tile_sweep} if args.tile_sweep else {})
+             | ({"split_sweep": split_sweep} if args.split_sweep else {}))
     for key, run in parts.items():
         record[key] = run(copy_tbs=copy_tbs)
         (out / "kernel_table.json").write_text(json.dumps(record, indent=2))

@@ -64,3 +64,13 @@ def test_the_tile_sweep_names_each_tile_and_checks_it():
     name = "bf16" if dtype == torch.bfloat16 else "fp32"
     assert set(rows) == {f"decode_{name}_B1_L37_16x2w2s", "decode_fp8_B1_L37_32x4w2s_f16dot_asm"}
     assert all(row["rel_err"] < 0.02 for row in rows.values()), rows
+
+
+def test_the_split_sweep_names_each_count_and_checks_it():
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    rows = kt.split_sweep(SMALL, timer=kt.graph_timer if DEVICE == "cuda" else kt.eager_timer, max_calls=2,
+                          device=DEVICE, sweep_shapes=((2, 20),), counts=(1, 4), dtype=dtype)
+    name = "bf16" if dtype == torch.bfloat16 else "fp32"
+    assert set(rows) == {f"decode_{c}_B2_L20_{n}splits" for c in (name, "fp8") for n in (1, 4)}
+    for key, row in rows.items():  # FP8: the first test's NOTE
+        assert row["rel_err"] < (0.1 if "fp8" in key else 0.02) and row["splits"] == int(key[-7]), (key, row)
