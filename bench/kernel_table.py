@@ -15,6 +15,7 @@ next node. The row `empty`, a kernel of one program that does nothing, is that f
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -411,6 +412,10 @@ def main() -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     p.add_argument("--tile-sweep", action="store_true", help="also the decode kernel by tile at small batches "
                    "(SWEEP_SHAPES x SWEEP_TILES), under the key tile_sweep")
+    p.add_argument("--sweep-shapes", default="", help="--tile-sweep's batch x context list instead of SWEEP_SHAPES, "
+                   "e.g. 128x640,128x1024")
+    p.add_argument("--sweep-fp8-tiles", default="", help="--tile-sweep over an FP8 cache only, with these tiles "
+                   "(keys,warps,stages,fp16_dots,max_regs[,asm_unpack] separated by ';') instead of SWEEP_TILES")
     p.add_argument("--split-sweep", action="store_true", help="also the decode kernel by split count at large batches "
                    "(SPLIT_SHAPES x SPLIT_COUNTS), under the key split_sweep")
     p.add_argument("--no-table", action="store_true", help="leave out the kernels' rows (with a sweep)")
@@ -424,7 +429,13 @@ def main() -> int:
     record = {"command": "python -m bench.kernel_table " + " ".join(sys.argv[1:]),
               "hardware": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "date": time.strftime("%Y-%m-%d"), "copy_tb_s": round(copy_tbs, 3)}
-    parts = (({} if args.no_table else {"rows": table}) | ({"tile_sweep": tile_sweep} if args.tile_sweep else {})
+    from services.gpu_worker.kernels.decode_attention import parse_tile
+
+    shapes = tuple(tuple(int(x) for x in shape.split("x")) for shape in args.sweep_shapes.split(",") if shape)
+    fp8_tiles = tuple(parse_tile(tile) for tile in args.sweep_fp8_tiles.split(";") if tile)
+    sweep = functools.partial(tile_sweep, sweep_shapes=shapes or SWEEP_SHAPES, tiles={FP8: fp8_tiles} if fp8_tiles
+                              else None)
+    parts = (({} if args.no_table else {"rows": table}) | ({"tile_sweep": sweep} if args.tile_sweep else {})
              | ({"split_sweep": split_sweep} if args.split_sweep else {}))
     for key, run in parts.items():
         record[key] = run(copy_tbs=copy_tbs)

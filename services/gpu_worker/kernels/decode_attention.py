@@ -49,11 +49,15 @@ MAX_SPLITS = 32
 # (run 24) it took 32 layers at 384 sequences × 1504 keys from 11.06 to 10.75 ms, and 512 from 14.57 to 13.72.
 # TILE_FP8_FEW: the FP8 tile with a 128-register cap, four programs per SM instead of three, for a launch of one
 # split and at most FEW_PROGRAMS programs, where the last wave is a large share of the work: at 64 sequences (512
-# programs) 1.87 against 2.48 ms, 128: 1.77 against 1.90, 256: 7.27 against 7.33; at 384 they tie (10.76, 10.75).
+# programs) 1.87 against 2.48 ms, 128: 1.77 against 1.90, 256: 7.27 against 7.33; at 384 they tied (10.76, 10.75)
+# with 32 layers over one pool. Timed per layer over a cache of its own (bench/kernel_table.py, two runs in one call,
+# bench/results/kernel_table_h200_20261203_fp8_cap_r{1,2}.json), the cap wins at every batch up to 512 × 8 programs:
+# 384 × 1504 keys 327 against 336 µs, 448: 381-383 against 395-396, 512: 433-438 against 444, 512 × 1024 keys: 306
+# against 314. Above 512 sequences it has not been measured.
 TILE = (BLOCK_N, 4, 2, False, 0, False)
 TILE_FP8 = (128, 4, 2, True, 0, True)
 TILE_FP8_FEW = (128, 4, 2, True, 128, True)
-FEW_PROGRAMS = 2048
+FEW_PROGRAMS = 4096
 
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as triton.jit does
