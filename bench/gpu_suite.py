@@ -1,4 +1,5 @@
-"""The H200 suite in one device call: GPU kernel tests, each kernel's bandwidth on Llama-3.1-8B shapes, then
+"""The H200 suite in one device call: GPU kernel tests, each kernel's row of bench/kernel_table.py (time inside a
+CUDA graph, bandwidth and error on Llama-3.1-8B shapes), then
 the engine on random:llama3-8b (batch-1 TPOT, W0 against transformers generate() in the same run, W1),
 every figure against the memory roofline. Writes JSON (after every phase, so a cut-off run keeps its figures).
 
