@@ -411,11 +411,13 @@ def engine_batch1_tiles(tiles: dict, kv_cache_dtype: str = "auto", rounds: int =
     engine = batch1_engine(kv_cache_dtype)
     default_tile = da.default_tile
     variants = {}
-    for label, tile in tiles.items():
-        da.default_tile = default_tile if tile is None else (lambda *_, t=tile: t)
-        variants[label] = DecodeGraphs(engine.model, engine.kv, engine.backend, 1, engine.max_seq_len)
-        variants[label].capture()
-    da.default_tile = default_tile
+    try:
+        for label, tile in tiles.items():
+            da.default_tile = default_tile if tile is None else (lambda *_, t=tile: t)
+            variants[label] = DecodeGraphs(engine.model, engine.kv, engine.backend, 1, engine.max_seq_len)
+            variants[label].capture()
+    finally:
+        da.default_tile = default_tile
     step_ms = alternate_graphs(engine, variants, rounds, steps)
     med = {k: sorted(v)[len(v) // 2] for k, v in step_ms.items()}
     first = next(iter(med))
