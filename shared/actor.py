@@ -9,6 +9,11 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
+# After a stop signal: how long the loops get to end once cancelled. A task that swallows its cancellation (a
+# library converting CancelledError into an error that a loop's `except Exception` logs and goes on from) is
+# cancelled again each second, then left behind, logged, so that close() runs and the process exits.
+STOP_GRACE_S = 5.0
+
 
 class Actor:
     """Subclasses add coroutines with `spawn` in `start()`, and release resources in `close()`."""
@@ -36,7 +41,7 @@ class Actor:
 
     def every(self, interval_s: float, fn: Callable[[], Awaitable[None]], name: str) -> None:
         async def loop() -> None:
-            while True:
+            while not self._stopped.is_set():
                 await asyncio.sleep(interval_s)
                 try:
                     await fn()
@@ -68,8 +73,23 @@ class Actor:
             await self._stopped.wait()
             await self.drain()
         finally:
-            for task in self._tasks:
-                task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self._cancel_tasks()
             await self.close()
             log.info("stopped", service=self.name)
+
+    async def _cancel_tasks(self) -> None:
+        """Cancel every loop and wait for them to end, for STOP_GRACE_S at most (see there)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + STOP_GRACE_S
+        pending = {task for task in self._tasks if not task.done()}
+        while pending:
+            for task in pending:
+                task.cancel()
+            left = deadline - loop.time()
+            if left <= 0:
+                log.error("tasks ignored cancellation; leaving them", tasks=sorted(t.get_name() for t in pending))
+                return
+            _, pending = await asyncio.wait(pending, timeout=min(1.0, left))
+        for task in self._tasks:  # retrieve the results, so asyncio logs no "exception never retrieved"
+            if not task.cancelled():
+                task.exception()

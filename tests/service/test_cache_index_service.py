@@ -63,17 +63,24 @@ class CacheIndexProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.cache_index", "--cache-index-addr", self.addr, "--redis-url",
              self.redis_url, "--retry-interval-s", str(RETRY_S), "--redis-timeout-s", "0.5"],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RADIXSERVE_LOG_JSON": "1"})
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, "RADIXSERVE_LOG_JSON": "1", "PYTHONFAULTHANDLER": "1"})
         log.close()
 
     def stop(self) -> int:
+        """SIGINT, as a user's Ctrl-C; a process still up after 10 s gets SIGABRT, so that the faulthandler writes
+        every thread's stack into the log (where the shutdown hangs), then SIGKILL."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                self.proc.send_signal(signal.SIGABRT)
+                try:
+                    self.proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
         return self.proc.returncode
 
 
@@ -144,8 +151,9 @@ def make_rig(sock_dir: Path, redis_url: str, client: redis.Redis) -> Iterator[Ri
         yield Rig(index, FakeWorker("w1", worker_addr, pull, push), client)
         assert index.proc.poll() is None, "cache_index died"
     finally:
-        assert index.stop() == 0
+        code = index.stop()
         ctx.destroy(linger=0)
+        assert code == 0, f"cache_index exited {code} on SIGINT; log:\n{index.log_path.read_text()[-4000:]}"
     assert '"handler failed"' not in index.log_path.read_text()
 
 
