@@ -41,7 +41,7 @@ class Actor:
 
     def every(self, interval_s: float, fn: Callable[[], Awaitable[None]], name: str) -> None:
         async def loop() -> None:
-            while not self._stopped.is_set():
+            while True:  # NOTE: also during drain(): a draining worker still heartbeats
                 await asyncio.sleep(interval_s)
                 try:
                     await fn()
