@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.gpu_suite import make_engine, prompts_for, run_timed, time_gpu
+from bench.kernel_table import copy_bandwidth, graph_of
 from services.gpu_worker.attention.base import AttentionMetadata
 from services.gpu_worker.attention.triton_backend import TritonAttention
 from services.gpu_worker.kernels import l2_prefetch, pdl
@@ -87,16 +88,6 @@ L2PF_VARIANTS = {
 
 def bench_ms(fn) -> float:
     return time_gpu(fn, warmup=10, rep=100) * 1e3
-
-
-def graph_of(fn) -> torch.cuda.CUDAGraph:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    return g
 
 
 def capture_with_logits(fn) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -752,10 +743,7 @@ def main() -> int:
         (out / "h200_probe.json").write_text(json.dumps(record, indent=2))
         print(f"[{time.perf_counter() - t_start:6.1f}s] {name}: {json.dumps(fig)[:2500]}", flush=True)
 
-    src = torch.empty(2 << 28, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    copy_tbs = 2 * src.numel() * 2 / (bench_ms(lambda: dst.copy_(src)) * 1e-3) / 1e12
-    del src, dst
+    copy_tbs = copy_bandwidth()
     save("copy", {"tb_s": round(copy_tbs, 3)})
 
     if "gemv" in phases:

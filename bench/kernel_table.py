@@ -26,7 +26,8 @@ from typing import Callable
 
 import torch
 import triton
-import triton.testing
+
+from bench.gpu_suite import time_gpu
 
 BYTES_PER_GRAPH = 256 << 20  # a row's calls touch about this much together (five times the H200's 50 MB L2)
 MAX_CALLS = 64
@@ -57,20 +58,22 @@ LLAMA3_8B = Shapes(hidden=4096, heads=32, kv_heads=8, head_dim=128, inter=14336,
                    tokens=(1, 256, 4096), extend=((4, 512), (1, 2048)), argmax_rows=(1, 128))
 
 
-def graph_timer(calls: list[Call]) -> float:
-    """Seconds per call: each call run once (compiling), then all captured in one CUDA graph whose replay is timed
-    by do_bench (median; L2 flushed before each replay)."""
-    for call in calls:
-        call()
+def graph_of(fn: Call) -> torch.cuda.CUDAGraph:
+    """fn run once (compiling its kernels), then captured in a CUDA graph."""
+    fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for call in calls:
-            call()
+        fn()
     torch.cuda.synchronize()
-    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=100, return_mode="median")
-    del graph
-    return ms * 1e-3 / len(calls)
+    return graph
+
+
+def graph_timer(calls: list[Call]) -> float:
+    """Seconds per call: all the calls captured in one CUDA graph, whose replay is timed by do_bench (median; L2
+    flushed before each replay)."""
+    graph = graph_of(lambda: [call() for call in calls])
+    return time_gpu(graph.replay, warmup=10, rep=100) / len(calls)
 
 
 def eager_timer(calls: list[Call]) -> float:
@@ -141,6 +144,29 @@ class Table:
 
         return inv_frequencies(self.s.head_dim, 500000.0, preset("llama3-8b").rope_scaling).to(self.dev)
 
+    def paged_cache(self, num_pages: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Random K and V caches [P, S, KVH, D]."""
+        shape = (num_pages, self.s.page_size, self.s.kv_heads, self.s.head_dim)
+        return self.randn(*shape, dtype=dtype), self.randn(*shape, dtype=dtype)
+
+    def new_qkv(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Un-rotated q, k, v of `tokens` new tokens: views of one fused projection, as the model passes them."""
+        s = self.s
+        qkv = self.randn(tokens, s.heads + 2 * s.kv_heads, s.head_dim)
+        return qkv[:, :s.heads], qkv[:, s.heads:s.heads + s.kv_heads], qkv[:, s.heads + s.kv_heads:]
+
+    @staticmethod
+    def reference_write(q, k, v, positions, inv_freq, k_cache, v_cache, slots) -> tuple:
+        """What the fused RoPE + KV-write kernels must leave: rope_ref's q, and copies of the caches with rope_ref's k
+        and v written at `slots` → (q, k_cache, v_cache)."""
+        from services.gpu_worker.kernels.rope import rope_ref
+        from services.gpu_worker.kv_cache import write_slots
+
+        rq, rk = rope_ref(q, k, positions, inv_freq)
+        kc, vc = k_cache.clone(), v_cache.clone()
+        write_slots(kc, vc, slots.long(), rk, v)
+        return rq, kc, vc
+
     # --- the rows ---------------------------------------------------------------------------------------------
 
     def empty(self) -> None:
@@ -155,8 +181,7 @@ class Table:
         num_splits_for's; where given, named in the row's key)."""
         from services.gpu_worker.kernels.decode_attention import (decode_attention_ref, decode_attention_rope,
                                                                   num_splits_for, tile_name)
-        from services.gpu_worker.kernels.rope import rope_ref
-        from services.gpu_worker.kv_cache import v_rows, write_slots
+        from services.gpu_worker.kv_cache import v_rows
 
         s = self.s
         name = (f"decode_{self.cache_name(cache_dtype)}_B{batch}_L{context}" + (f"_{tile_name(tile)}" if tile else "")
@@ -167,16 +192,14 @@ class Table:
 
         def build(i: int):
             num_pages = batch * per_seq + 1
-            k_cache = self.randn(num_pages, s.page_size, s.kv_heads, s.head_dim, dtype=cache_dtype)
-            v_cache = self.randn(num_pages, s.page_size, s.kv_heads, s.head_dim, dtype=cache_dtype)
+            k_cache, v_cache = self.paged_cache(num_pages, cache_dtype)
             table = (torch.randperm(num_pages - 1, device=self.dev)[:batch * per_seq] + 1).to(torch.int32)
             table = table.view(batch, per_seq)
             lens = torch.full((batch,), context, dtype=torch.int32, device=self.dev)
             positions = lens - 1
             slots = (table.gather(1, (positions // s.page_size).long()[:, None])[:, 0] * s.page_size
                      + positions % s.page_size)
-            qkv = self.randn(batch, s.heads + 2 * s.kv_heads, s.head_dim)
-            q, k, v = qkv[:, :s.heads], qkv[:, s.heads:s.heads + s.kv_heads], qkv[:, s.heads + s.kv_heads:]
+            q, k, v = self.new_qkv(batch)
             inv_freq = self.inv_freq()
             out = torch.empty_like(q)
 
@@ -185,9 +208,7 @@ class Table:
                                       out=out, tile=tile)
 
             def error() -> float:
-                rq, rk = rope_ref(q, k, positions, inv_freq)
-                kc, vc = k_cache.clone(), v_cache.clone()
-                write_slots(kc, vc, slots.long(), rk, v)
+                rq, kc, vc = self.reference_write(q, k, v, positions, inv_freq, k_cache, v_cache, slots)
                 ref = decode_attention_ref(rq, kc.float(), v_rows(vc).float(), table, lens)
                 call()
                 return rel_err(out, ref)
@@ -206,9 +227,7 @@ class Table:
         per_seq = -(-new_tokens // s.page_size)
 
         def build(i: int):
-            num_pages = num_seqs * per_seq + 1
-            k_cache = self.randn(num_pages, s.page_size, s.kv_heads, s.head_dim)
-            v_cache = self.randn(num_pages, s.page_size, s.kv_heads, s.head_dim)
+            k_cache, v_cache = self.paged_cache(num_seqs * per_seq + 1)
             table = (torch.arange(num_seqs * per_seq, device=self.dev, dtype=torch.int32) + 1).view(num_seqs, -1)
             lens = torch.full((num_seqs,), new_tokens, dtype=torch.int32, device=self.dev)
             starts = torch.arange(num_seqs + 1, device=self.dev, dtype=torch.int32) * new_tokens
@@ -253,30 +272,24 @@ class Table:
 
     def rope_kv_write(self, tokens: int, cache_dtype: torch.dtype) -> None:
         """A prefill chunk's RoPE and KV write: q rotated in place, rotated k and v into their cache slots."""
-        from services.gpu_worker.kernels.rope import rope_ref
         from services.gpu_worker.kernels.rope_kv_write import rope_kv_write_
-        from services.gpu_worker.kv_cache import v_rows, write_slots
+        from services.gpu_worker.kv_cache import v_rows
 
         s = self.s
         esize = cache_dtype.itemsize
 
         def build(i: int):
-            num_pages = -(-tokens // s.page_size) + 1
-            k_cache = self.randn(num_pages, s.page_size, s.kv_heads, s.head_dim, dtype=cache_dtype)
-            v_cache = self.randn(num_pages, s.page_size, s.kv_heads, s.head_dim, dtype=cache_dtype)
+            k_cache, v_cache = self.paged_cache(-(-tokens // s.page_size) + 1, cache_dtype)
             slots = (torch.randperm(tokens, device=self.dev) + s.page_size).to(torch.int32)
             positions = torch.randint(0, 8192, (tokens,), device=self.dev, dtype=torch.int32)
-            qkv = self.randn(tokens, s.heads + 2 * s.kv_heads, s.head_dim)
-            q, k, v = qkv[:, :s.heads], qkv[:, s.heads:s.heads + s.kv_heads], qkv[:, s.heads + s.kv_heads:]
+            q, k, v = self.new_qkv(tokens)
             inv_freq = self.inv_freq()
 
             def call():
                 rope_kv_write_(q, k, v, positions, inv_freq, k_cache, v_cache, slots)
 
             def error() -> float:
-                rq, rk = rope_ref(q, k, positions, inv_freq)
-                kc, vc = k_cache.clone(), v_cache.clone()
-                write_slots(kc, vc, slots.long(), rk, v)
+                rq, kc, vc = self.reference_write(q, k, v, positions, inv_freq, k_cache, v_cache, slots)
                 call()
                 return max(rel_err(q, rq), rel_err(k_cache.float(), kc.float()),
                            rel_err(v_rows(v_cache).float(), v_rows(vc).float()))
@@ -329,8 +342,7 @@ def copy_bandwidth() -> float:
     """TB/s of a 1 GiB device-to-device copy (read + write), median under do_bench."""
     src = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
-    return 2 * src.numel() * 2 / (ms * 1e-3) / 1e12
+    return 2 * src.numel() * 2 / time_gpu(lambda: dst.copy_(src)) / 1e12
 
 
 def table(shapes: Shapes = LLAMA3_8B, timer: Timer = graph_timer, max_calls: int = MAX_CALLS,

@@ -90,6 +90,3 @@ class Actor:
                 log.error("tasks ignored cancellation; leaving them", tasks=sorted(t.get_name() for t in pending))
                 return
             _, pending = await asyncio.wait(pending, timeout=min(1.0, left))
-        for task in self._tasks:  # retrieve the results, so asyncio logs no "exception never retrieved"
-            if not task.cancelled():
-                task.exception()
