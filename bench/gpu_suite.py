@@ -93,14 +93,14 @@ def kernel_bandwidth() -> dict:
 
 
 def make_engine(loaded, max_num_seqs: int, chunk: int, graphs: bool = True, staging: str = "stream",
-                pdl: str = "off", kv_cache_dtype: str = "auto", l2_prefetch: str = "off"):
+                pdl: str = "off", kv_cache_dtype: str = "auto", l2_prefetch: str = "off", gemv_max_tokens: int = 0):
     from services.gpu_worker.engine import Engine
     from services.gpu_worker.engine_config import EngineConfig
 
     config = EngineConfig(model="random:llama3-8b", device="cuda", dtype="bfloat16", max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=chunk, max_model_len=4096, enable_prefix_cache=False,
                           enable_cuda_graphs=graphs, cuda_graph_staging=staging, pdl=pdl,
-                          kv_cache_dtype=kv_cache_dtype, l2_prefetch=l2_prefetch)
+                          kv_cache_dtype=kv_cache_dtype, l2_prefetch=l2_prefetch, gemv_max_tokens=gemv_max_tokens)
     return Engine(config, loaded=loaded)
 
 
@@ -236,6 +236,8 @@ def main() -> int:
     p.add_argument("--pdl", default="off", help="EngineConfig.pdl: off, auto or on")
     p.add_argument("--kv-cache-dtype", default="auto", help="EngineConfig.kv_cache_dtype: auto or fp8")
     p.add_argument("--l2-prefetch", default="off", help="EngineConfig.l2_prefetch: off, auto or on")
+    p.add_argument("--gemv-max-tokens", type=int, default=0,
+                   help="EngineConfig.gemv_max_tokens: steps of at most this many tokens on the Triton GEMV (0: cuBLAS)")
     p.add_argument("--decode-tile-fp8", default="",
                    help="replaces decode_attention.TILE_FP8 and TILE_FP8_FEW: "
                         "keys,warps,stages,fp16_dots,max_regs[,asm_unpack] (e.g. 128,4,3,1,128 or 128,4,2,1,0,1); "
@@ -278,7 +280,7 @@ def main() -> int:
     t0 = time.perf_counter()
     engine = make_engine(loaded, max_num_seqs=max(args.w0_requests, *w1_seqs), chunk=args.chunk,
                          staging=args.graph_staging, pdl=args.pdl, kv_cache_dtype=args.kv_cache_dtype,
-                         l2_prefetch=args.l2_prefetch)
+                         l2_prefetch=args.l2_prefetch, gemv_max_tokens=args.gemv_max_tokens)
     setup_s = time.perf_counter() - t0
     kv_bytes = KV_BYTES_PER_TOKEN * engine.kv.k.element_size() // 2  # the constant is bf16's
     replay = {b: round(graph_replay_ms(engine, b), 3) for b in (1, 8, 64, 128, 256) if b in engine.graphs.graphs}
@@ -290,6 +292,7 @@ def main() -> int:
                                 "pdl": pdl.is_enabled(), "kv_cache_dtype": str(engine.kv.dtype),
                                 "l2_prefetch": (None if engine.model.l2_prefetcher is None
                                                 else str(engine.model.l2_prefetcher.config)),
+                                "gemv_max_tokens": engine.model.gemv_max_tokens,
                                 "v_cache_layout": "key pairs" if is_v_pairs(engine.kv.dtype) else "rows",
                                 "decode_tile": decode_attention.TILE, "decode_tile_fp8": decode_attention.TILE_FP8,
                                 "decode_tile_fp8_few": decode_attention.TILE_FP8_FEW,

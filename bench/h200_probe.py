@@ -29,13 +29,16 @@ model/fused.py driven directly over a hand-built paged cache.
  11. (streams) the projections cut into 2 or 4 parts run at once on side streams, per projection at M = 1 and in
      the whole forward's graph replay against one GEMM each;
  12. (tiles_engine) the engine's batch-1 steps, bf16 and FP8 cache, with the graph captured under split kernel
-     tiles of fewer keys, in turn (bench/kernel_table.py --tile-sweep times the kernel alone).
+     tiles of fewer keys, in turn (bench/kernel_table.py --tile-sweep times the kernel alone);
+ 13. (gemv_engine) each projection at 1 and 8 tokens on cuBLAS and on the Triton GEMV by tile and split count
+     (bench/kernel_table.gemv_sweep), then the engine's batch-1 steps with the graph captured on cuBLAS, on the GEMV's
+     heuristic tiles and on the sweep's fastest, in turn.
 
 Phase "merge" (the decode kernel merging its own splits by an atomic ticket per sequence and KV head) ran from
 commit cfe5e49, which holds it and the kernel option; both were removed after the run
 (bench/results/h200_probe_20261203_k_merge.json).
 
-    python -m bench.h200_probe --out $OUT [--phases gemv,batch1,...,multistep,streams,tiles_engine]
+    python -m bench.h200_probe --out $OUT [--phases gemv,batch1,...,multistep,streams,tiles_engine,gemv_engine]
 
 Phase 1 runs with the fused decode kernel (RoPE + KV write inside the split-K kernel) and with the separate
 rope_kv_write_ and decode kernels (TritonAttention(fuse_decode=False)), in the same run.
@@ -419,6 +422,42 @@ def engine_batch1_tiles(tiles: dict, kv_cache_dtype: str = "auto", rounds: int =
             "tpot_over_roofline": {k: round(v / 3.76, 4) for k, v in med.items()}}
 
 
+def engine_batch1_gemv(best: dict, kv_cache_dtype: str = "auto", rounds: int = 5, steps: int = 60) -> dict:
+    """The engine's batch-1 decode steps (overlap mode, 512-token prompt) with its graph captured with the matmuls on
+    cuBLAS, on the Triton GEMV with kernels/gemv.py's heuristic tiles, and on it with the fastest tiles of `best`
+    (kernel_table.gemv_sweep's, through gemv_tuning), in turn: `rounds` rounds of `steps` steps each."""
+    from bench.kernel_table import gemv_tuning
+    from services.gpu_worker.cuda_graphs import DecodeGraphs
+    from services.gpu_worker.kernels import gemv as g
+
+    engine = batch1_engine(kv_cache_dtype)
+    tuned, row_parts = gemv_tuning(best)
+    settings = {"gemv_heuristic": ({}, g.ROW_PARTS), "gemv_tuned": (tuned, row_parts)}
+    variants = {"cublas": engine.graphs}
+    saved = dict(g.TUNED), g.ROW_PARTS
+    try:
+        for label, (table, parts) in settings.items():
+            g.TUNED.clear()
+            g.TUNED.update(table)
+            g.ROW_PARTS = parts
+            engine.model.gemv_max_tokens = 1
+            variants[label] = DecodeGraphs(engine.model, engine.kv, engine.backend, 1, engine.max_seq_len)
+            variants[label].capture()
+    finally:
+        engine.model.gemv_max_tokens = 0
+        g.TUNED.clear()
+        g.TUNED.update(saved[0])
+        g.ROW_PARTS = saved[1]
+    step_ms = alternate_graphs(engine, variants, rounds, steps)
+    med = {k: sorted(v)[len(v) // 2] for k, v in step_ms.items()}
+    return {"kv_cache_dtype": str(engine.kv.dtype), "row_parts_tuned": row_parts,
+            "tuned": {"x".join(map(str, key)): list(cfg) for key, cfg in tuned.items()},
+            "step_ms": {k: [round(x, 4) for x in v] for k, v in step_ms.items()},
+            "median_ms": {k: round(v, 4) for k, v in med.items()},
+            "over_cublas": {k: round(v / med["cublas"], 4) for k, v in med.items()},
+            "tpot_over_roofline": {k: round(v / 3.76, 4) for k, v in med.items()}}
+
+
 def w1_mixed_steps(num_requests: int) -> dict:
     """W1's shape (1000 → 1000, 384 sequences) on one engine, four runs in turn: mixed steps sending their
     decodes to the extend kernel with the prefill chunks (the default), then to the decode kernel
@@ -724,7 +763,7 @@ def main() -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     p.add_argument("--phases", default="gemv,batch1,splits,micro,engine,mixed",
                    help="comma-separated; also gemv_split, argmax, splitk, norm, pdl, fp8kv, fp8tune, l2pf, "
-                        "l2pf_engine, multistep, streams, tiles_engine")
+                        "l2pf_engine, multistep, streams, tiles_engine, gemv_engine")
     p.add_argument("--mixed-requests", type=int, default=1000, help="W1 requests for the mixed-steps phase")
     p.add_argument("--fp8tune-shapes", default="64x1504,384x1504", help="fp8tune: batch x context, comma-separated")
     p.add_argument("--fp8tune-tiles", default="",
@@ -763,6 +802,15 @@ def main() -> int:
         torch.cuda.empty_cache()
     if "mixed" in phases:
         save("w1_mixed_steps", w1_mixed_steps(args.mixed_requests))
+        torch.cuda.empty_cache()
+    if "gemv_engine" in phases:  # the Triton GEMV (kernels/gemv.py): each projection by tile, then the engine's step
+        from bench.kernel_table import gemv_sweep
+
+        sweep = gemv_sweep(copy_tbs=copy_tbs)
+        save("gemv_sweep", sweep)
+        torch.cuda.empty_cache()
+        save("engine_batch1_gemv", engine_batch1_gemv(sweep["best"]))
+        gc.collect()
         torch.cuda.empty_cache()
     if "tiles_engine" in phases:  # the split kernel's tile at batch 1 (bench/kernel_table.py --tile-sweep)
         for cache, tiles in (("auto", {"default": None, "bf16_32x4": (32, 4, 2, False, 0, False),

@@ -10,7 +10,7 @@ over inputs of its own, and one replay (do_bench flushes L2 before it) is divide
 from DRAM, and a row is what the kernel costs as a node of the engine's graphs: its GPU time plus the gap to the
 next node. The row `empty`, a kernel of one program that does nothing, is that floor.
 
-    python -m bench.kernel_table --out $OUT [--tile-sweep] [--split-sweep]      # Llama-3.1-8B shapes, on the GPU
+    python -m bench.kernel_table --out $OUT [--tile-sweep] [--split-sweep] [--gemv-sweep]   # Llama-3.1-8B, on the GPU
 """
 from __future__ import annotations
 
@@ -338,6 +338,28 @@ class Table:
         self.measure(f"embedding_T{tokens}", 2 * tokens * self.s.hidden * self.esize, build)
 
 
+    def gemv(self, name: str, tokens: int, n: int, k: int, parts: int, config: tuple | None = None) -> dict:
+        """x [tokens, k] @ w [n, k]ᵀ: on the Triton GEMV with `config` (kernels/gemv.py; parts > 1: fp32 partials), or
+        with config None on cuBLAS the way model/fused.py calls it (F.linear; parts > 1: its split-K bmm)."""
+        import torch.nn.functional as F
+
+        from services.gpu_worker.kernels import gemv as g
+        from services.gpu_worker.model import fused
+
+        def build(i: int):
+            x, w = self.randn(tokens, k), self.randn(n, k) * k ** -0.5
+            if config is None:
+                call = (lambda: F.linear(x, w)) if parts == 1 else (lambda: fused._row_projection(x, w, parts, False))
+            else:
+                call = lambda: g.gemv(x, w, parts=parts, config=g.GemvConfig(*config))  # noqa: E731
+            return call, (lambda: rel_err(call(), g.gemv_ref(x, w, parts=parts)))
+
+        out_bytes = parts * tokens * n * 4 if parts > 1 else tokens * n * self.esize
+        label = "cublas" if config is None else "{}x{}w{}s{}".format(*config)
+        return self.measure(f"gemv_{name}_M{tokens}_p{parts}_{label}", (n + tokens) * k * self.esize + out_bytes,
+                            build)
+
+
 def copy_bandwidth() -> float:
     """TB/s of a 1 GiB device-to-device copy (read + write), median under do_bench."""
     src = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)
@@ -411,6 +433,59 @@ def split_sweep(shapes: Shapes = LLAMA3_8B, timer: Timer = graph_timer, max_call
     return t.rows
 
 
+def gemv_shapes(s: Shapes) -> tuple:
+    """(name, N, K, split-K part counts) of the model's projections at decode: the row-parallel o and down as the
+    next RMSNorm takes them (fp32 partials, or whole rows at 1 part)."""
+    return (("qkv", (s.heads + 2 * s.kv_heads) * s.head_dim, s.hidden, (1,)),
+            ("o", s.hidden, s.heads * s.head_dim, (1, 2, 4, 8)), ("gate_up", 2 * s.inter, s.hidden, (1,)),
+            ("down", s.hidden, s.inter, (1, 2, 4, 8)), ("lm_head", s.vocab, s.hidden, (1,)))
+
+
+def gemv_tiles(tokens: int) -> tuple:
+    """GemvConfig fields (block_n, block_k, num_warps, num_stages) to try: the one-row kernel, or the dot kernel."""
+    if tokens == 1:
+        return tuple((bn, bk, w, st) for bn in (8, 16, 32) for bk in (256, 512, 1024) for w in (4, 8) for st in (1, 3))
+    return tuple((bn, bk, w, 1) for bn in (16, 32, 64) for bk in (128, 256) for w in (4, 8))
+
+
+def gemv_sweep(shapes: Shapes = LLAMA3_8B, timer: Timer = graph_timer, max_calls: int = MAX_CALLS,
+               copy_tbs: float | None = None, device: str = "cuda", tokens: tuple = (1, 8),
+               tiles: Callable[[int], tuple] = gemv_tiles, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Each projection of `shapes` at each token count and split count: on cuBLAS, and on the Triton GEMV with each
+    tile of tiles(tokens) no wider than a part. → {"rows": every row, "best": per (projection, tokens, parts) the
+    fastest tile, its µs and fraction of copy, and cuBLAS's µs}."""
+    t = Table(shapes, timer, max_calls, copy_tbs, device, dtype)
+    best = {}
+    for name, n, k, counts in gemv_shapes(shapes):
+        for m in tokens:
+            for parts in counts:
+                base = t.gemv(name, m, n, k, parts)
+                tried = {cfg: t.gemv(name, m, n, k, parts, cfg) for cfg in tiles(m) if cfg[1] <= k // parts}
+                if not tried:
+                    continue
+                cfg = min(tried, key=lambda c: tried[c]["us"])
+                best[f"{name}_M{m}_p{parts}"] = {
+                    "n": n, "k": k, "tokens": m, "parts": parts, "config": list(cfg), "us": tried[cfg]["us"],
+                    "of_copy": tried[cfg].get("of_copy"), "cublas_us": base["us"],
+                    "cublas_of_copy": base.get("of_copy"), "over_cublas": round(tried[cfg]["us"] / base["us"], 3)}
+    return {"rows": t.rows, "best": best}
+
+
+def gemv_tuning(best: dict, tokens: int = 1) -> tuple[dict, int]:
+    """gemv_sweep's "best" → (kernels/gemv.TUNED entries for `tokens`: each shape's fastest tile; ROW_PARTS: the split
+    count at which o's and down's fastest tiles sum to the least time)."""
+    from services.gpu_worker.kernels import gemv as g
+
+    mine = {key: b for key, b in best.items() if b["tokens"] == tokens}
+    tuned = {(b["n"], b["k"], b["parts"], g.m_bucket(tokens)): g.GemvConfig(*b["config"]) for b in mine.values()}
+    counts = sorted({b["parts"] for key, b in mine.items() if key.startswith(("o_", "down_"))})
+
+    def row_time(parts: int) -> float:
+        return mine[f"o_M{tokens}_p{parts}"]["us"] + mine[f"down_M{tokens}_p{parts}"]["us"]
+
+    return tuned, (min(counts, key=row_time) if counts else g.ROW_PARTS)
+
+
 def markdown(rows: dict) -> str:
     lines = ["| kernel | µs per call | TB/s | of copy | TFLOP/s | error |", "| --- | --- | --- | --- | --- | --- |"]
     for name, r in rows.items():
@@ -430,6 +505,8 @@ def main() -> int:
                    "(keys,warps,stages,fp16_dots,max_regs[,asm_unpack] separated by ';') instead of SWEEP_TILES")
     p.add_argument("--split-sweep", action="store_true", help="also the decode kernel by split count at large batches "
                    "(SPLIT_SHAPES x SPLIT_COUNTS), under the key split_sweep")
+    p.add_argument("--gemv-sweep", action="store_true", help="also the projections on cuBLAS and on the Triton GEMV "
+                   "by tile and split count at 1 and 8 tokens (gemv_sweep), under the key gemv_sweep")
     p.add_argument("--no-table", action="store_true", help="leave out the kernels' rows (with a sweep)")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -448,11 +525,12 @@ def main() -> int:
     sweep = functools.partial(tile_sweep, sweep_shapes=shapes or SWEEP_SHAPES, tiles={FP8: fp8_tiles} if fp8_tiles
                               else None)
     parts = (({} if args.no_table else {"rows": table}) | ({"tile_sweep": sweep} if args.tile_sweep else {})
-             | ({"split_sweep": split_sweep} if args.split_sweep else {}))
+             | ({"split_sweep": split_sweep} if args.split_sweep else {})
+             | ({"gemv_sweep": gemv_sweep} if args.gemv_sweep else {}))
     for key, run in parts.items():
         record[key] = run(copy_tbs=copy_tbs)
         (out / "kernel_table.json").write_text(json.dumps(record, indent=2))
-        print(markdown(record[key]), flush=True)
+        print(markdown(record[key]["rows"] if key == "gemv_sweep" else record[key]), flush=True)
     return 0
 
 

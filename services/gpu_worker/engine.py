@@ -165,8 +165,11 @@ class Engine:
     def _setup_cuda_path(self, config: EngineConfig):
         """With the Triton backend: fused kernels in the model, and decode CUDA graphs when enabled."""
         if self.backend.name != "triton":
+            if config.gemv_max_tokens:
+                raise ValueError(f"gemv_max_tokens needs the Triton attention backend, not {self.backend.name}")
             return None
         self.model.enable_fused_kernels()
+        self.model.gemv_max_tokens = config.gemv_max_tokens
         from services.gpu_worker.kernels import pdl
 
         pdl.set_enabled(pdl.resolve(config.pdl, self.device))

@@ -39,6 +39,9 @@ class EngineConfig:
     # (kernels/l2_prefetch.py, DEFAULT_CONFIG): "off", "auto" (on where the GPU has it, compute capability >= 9.0)
     # or "on" (an error where it has not). Off by default: on the H200 every setting made the step slower.
     l2_prefetch: str = "off"
+    # Steps of at most this many tokens (0..16) run their projections and LM head on the Triton GEMV
+    # (kernels/gemv.py) instead of cuBLAS; Triton backend only. 0, the default: every matmul on cuBLAS.
+    gemv_max_tokens: int = 0
     seed: int = 0  # random weights' seed for random:<preset> models
     # The KV cache's dtype: "auto" (the model's dtype) or "fp8" (float8 e4m3, no scale: half the bytes per
     # token, so twice the tokens in the pool and half the KV reads of decode attention; not bit-exact to the
@@ -63,6 +66,8 @@ class EngineConfig:
                              f"not {self.kv_cache_dtype!r}")
         if self.warmup and self.tensor_parallel_size > 1:
             raise ValueError("warmup runs on a single-rank engine only (tensor-parallel ranks step in lockstep)")
+        if not 0 <= self.gemv_max_tokens <= 16:  # kernels/gemv.MAX_TOKENS (no Triton import here)
+            raise ValueError(f"gemv_max_tokens must be 0 to 16, not {self.gemv_max_tokens}")
         for name in ("pdl", "l2_prefetch"):
             if getattr(self, name) not in ("auto", "on", "off"):
                 raise ValueError(f"{name} must be 'auto', 'on' or 'off', not {getattr(self, name)!r}")

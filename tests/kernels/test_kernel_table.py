@@ -74,3 +74,29 @@ def test_the_split_sweep_names_each_count_and_checks_it():
     assert set(rows) == {f"decode_{c}_B2_L20_{n}splits" for c in (name, "fp8") for n in (1, 4)}
     for key, row in rows.items():  # FP8: the first test's NOTE
         assert row["rel_err"] < (0.1 if "fp8" in key else 0.02) and row["splits"] == int(key[-7]), (key, row)
+
+
+def test_the_gemv_sweep_checks_each_tile_and_tunes_from_the_fastest():
+    """Every projection at 1 and 8 tokens, on cuBLAS and each tile that fits a part, matches the GEMV's reference;
+    "best" names the fastest tile; gemv_tuning turns it into kernels/gemv.TUNED entries and a row split count."""
+    from services.gpu_worker.kernels import gemv as g
+
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    timer = kt.graph_timer if DEVICE == "cuda" else kt.eager_timer
+    tiles = {1: ((8, 16, 2, 1), (16, 32, 4, 1)), 8: ((16, 16, 4, 1),)}
+    res = kt.gemv_sweep(SMALL, timer=timer, max_calls=2, device=DEVICE, dtype=dtype, tiles=tiles.get)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    for name, row in res["rows"].items():
+        assert row["rel_err"] <= tol, (name, row)
+    # o and down have K = 64 and 96: 8 parts leave 8 or 12 columns a part, narrower than every tile's 16 or 32, so
+    # those entries are skipped, not guessed
+    assert "o_M1_p8" not in res["best"] and "o_M1_p4" in res["best"] and "down_M8_p8" not in res["best"]
+    for key, b in res["best"].items():
+        fastest = min((r["us"], n) for n, r in res["rows"].items()
+                      if n.startswith(f"gemv_{key}_") and not n.endswith("cublas"))
+        assert b["us"] == fastest[0] and fastest[1].endswith("{}x{}w{}s{}".format(*b["config"]))
+    tuned, row_parts = kt.gemv_tuning(res["best"])
+    assert row_parts in (1, 2, 4)
+    down = res["best"][f"down_M1_p{row_parts}"]
+    assert tuned[(SMALL.hidden, SMALL.inter, row_parts, 1)] == g.GemvConfig(*down["config"])
+    assert {key[3] for key in tuned} == {1} and len(tuned) == sum(1 for k in res["best"] if "_M1_" in k)

@@ -105,6 +105,23 @@ def test_small_batch_split_k_projections_keep_the_greedy_tokens(monkeypatch):
 
 @pytest.mark.gpu
 @gpu_only
+@pytest.mark.parametrize("num_prompts", [1, 3])
+def test_triton_gemv_keeps_the_greedy_tokens(num_prompts):
+    """EngineConfig.gemv_max_tokens = 16: decode steps of one sequence (the one-row kernel) or three (the dot
+    kernel), in graphs, and prefill chunks of 16 tokens run the projections and LM head on kernels/gemv.py."""
+    loaded = load_model("random:qwen3-0.6b", dtype=torch.bfloat16, device="cuda", seed=2)
+    prompts = _prompts(loaded.config.vocab_size, num_prompts, 200)
+    ref = _generate("qwen3-0.6b", loaded, prompts, 32, "bfloat16", attention_backend="torch")
+    cublas = _generate("qwen3-0.6b", loaded, prompts, 32, "bfloat16", attention_backend="triton")
+    for chunk in (256, 16):
+        gemv = _generate("qwen3-0.6b", loaded, prompts, 32, "bfloat16", attention_backend="triton",
+                         gemv_max_tokens=16, max_num_batched_tokens=chunk)
+        assert _assert_same_greedy(ref, gemv, 0.1) >= len(prompts) * 16
+        assert _assert_same_greedy(cublas, gemv, 0.1) >= len(prompts) * 16
+
+
+@pytest.mark.gpu
+@gpu_only
 def test_graph_tokens_feed_the_next_step_with_sampled_and_greedy_rows():
     """Overlap mode feeds each graph replay from the previous step's device tokens: the graph's own argmax,
     overwritten in place by sampled rows, or tokens an eager step (a prefill chunk in the batch) sampled.
@@ -135,3 +152,25 @@ def test_in_graph_staging_gives_the_stream_stagings_bits(staging):
     staged = _generate("tiny-llama", loaded, prompts, 20, "bfloat16", max_num_seqs=8, cuda_graph_staging=staging)
     assert [s.token_ids for s in staged] == [s.token_ids for s in stream]
     assert [[lp.logprob for lp in s.logprobs] for s in staged] == [[lp.logprob for lp in s.logprobs] for s in stream]
+
+
+def test_triton_gemv_engine_equals_torch_cpu_interpreter():
+    """EngineConfig.gemv_max_tokens: steps of one token (the one-row kernel) and of up to 8 (the dot kernel) run
+    their projections and LM head on kernels/gemv.py, and the tokens and logprobs stay the torch backend's."""
+    if torch.cuda.is_available():
+        pytest.skip("the GPU variant below covers this")
+    loaded = load_model("random:tiny-llama", dtype=torch.float32, seed=1)
+    for prompts in (_prompts(loaded.config.vocab_size, 1, 12), _prompts(loaded.config.vocab_size, 3, 12)):
+        ref = _generate("tiny-llama", loaded, prompts, 3, "float32", attention_backend="torch")
+        got = _generate("tiny-llama", loaded, prompts, 3, "float32", attention_backend="triton",
+                        max_num_batched_tokens=8, gemv_max_tokens=8)
+        assert [s.token_ids for s in got] == [s.token_ids for s in ref]
+        assert _assert_same_greedy(ref, got, 1e-4) == 3 * len(prompts)
+
+
+def test_gemv_max_tokens_needs_the_triton_backend():
+    loaded = load_model("random:tiny-llama", dtype=torch.float32, seed=1)
+    with pytest.raises(ValueError, match="gemv_max_tokens"):
+        _generate("tiny-llama", loaded, [[1, 2]], 1, "float32", attention_backend="torch", gemv_max_tokens=1)
+    with pytest.raises(ValueError, match="gemv_max_tokens"):
+        EngineConfig(model="random:tiny-llama", gemv_max_tokens=17)

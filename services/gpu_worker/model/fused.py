@@ -11,6 +11,10 @@ With model.l2_prefetcher set (EngineConfig.l2_prefetch, off by default: slower o
 have a side stream ask the L2 for the leading bytes of each GEMM's weight while the small kernels before that GEMM
 run (kernels/l2_prefetch.py).
 
+With model.gemv_max_tokens > 0 (EngineConfig.gemv_max_tokens, 0 by default), steps of at most that many tokens run
+their four projections and the LM head on the Triton GEMV (kernels/gemv.py) instead of cuBLAS: the same function,
+o_proj and down_proj as gemv.ROW_PARTS split-K partials for the next RMSNorm.
+
 Under tensor parallelism (model.tp set) the projections hold this rank's heads and MLP share, and the
 o_proj and down_proj outputs are summed over the ranks before the next RMSNorm+residual."""
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.gpu_worker.attention.base import AttentionBackend, AttentionMetadata
+from services.gpu_worker.kernels import gemv as triton_gemv
 from services.gpu_worker.kernels.embedding import embedding_fed
 from services.gpu_worker.kernels.l2_prefetch import NO_PREFETCH, L2Prefetcher, NoPrefetch
 from services.gpu_worker.kernels.rms_norm import rms_norm
@@ -72,19 +77,23 @@ def forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, 
     else:
         h = embedding_fed(model.model.embed_tokens.weight, input_ids, fed[0], fed[1])
     residual = None
-    num_parts = SPLIT_K_PARTS if model.tp is None and input_ids.shape[0] <= model.split_k_max_tokens else 1
+    num_tokens = input_ids.shape[0]
+    num_parts = SPLIT_K_PARTS if model.tp is None and num_tokens <= model.split_k_max_tokens else 1
+    gemv = 0 < num_tokens <= model.gemv_max_tokens  # the projections on the Triton GEMV (kernels/gemv.py)
+    if gemv:
+        num_parts = triton_gemv.ROW_PARTS if model.tp is None else 1
     pf = model.l2_prefetcher
-    if pf is None or not pf.active(input_ids.shape[0]):
+    if pf is None or not pf.active(num_tokens):
         pf = NO_PREFETCH
     for layer in model.model.layers:
         pf.issue("qkv", layer.self_attn.qkv_weight)  # during the RMSNorm: the q/k/v weight's leading bytes into L2
         x, residual = rms_norm(h, layer.input_layernorm.weight, eps, residual)
-        h = _attention(layer.self_attn, x, positions, model.inv_freq, cache, meta, backend, num_parts, pf)
+        h = _attention(layer.self_attn, x, positions, model.inv_freq, cache, meta, backend, num_parts, gemv, pf)
         pf.issue("gate_up", layer.mlp.gate_up_weight)
         x, residual = rms_norm(h, layer.post_attention_layernorm.weight, eps, residual)
-        gate_up = F.linear(x, layer.mlp.gate_up_weight)  # [T, 2 I] (I: this rank's share under TP)
+        gate_up = _column_projection(x, layer.mlp.gate_up_weight, None, gemv)  # [T, 2 I] (I: this rank's share)
         pf.issue("down", layer.mlp.down_proj.weight, num_parts)  # during SiLU·mul
-        h = _reduce(_row_projection(silu_mul(gate_up), layer.mlp.down_proj.weight, num_parts), layer.mlp.tp)
+        h = _reduce(_row_projection(silu_mul(gate_up), layer.mlp.down_proj.weight, num_parts, gemv), layer.mlp.tp)
     # during the final norm: the LM head's (model.logits runs after the forward)
     pf.issue("lm_head", model.lm_head.weight if hasattr(model, "lm_head") else model.model.embed_tokens.weight)
     out, _ = rms_norm(h, model.model.norm.weight, eps, residual)
@@ -92,8 +101,17 @@ def forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, 
     return out
 
 
-def _row_projection(x: torch.Tensor, weight: torch.Tensor, num_parts: int) -> torch.Tensor:
-    """x [T, K] @ weight [N, K]ᵀ → [T, N]; num_parts > 1: split-K partials [S, T, N] fp32 for rms_norm to sum."""
+def _column_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       gemv: bool) -> torch.Tensor:
+    """x [T, K] @ weight [N, K]ᵀ (+ bias) → [T, N] in x's dtype, on cuBLAS or (gemv) the Triton GEMV."""
+    return triton_gemv.gemv(x, weight, bias) if gemv else F.linear(x, weight, bias)
+
+
+def _row_projection(x: torch.Tensor, weight: torch.Tensor, num_parts: int, gemv: bool) -> torch.Tensor:
+    """x [T, K] @ weight [N, K]ᵀ → [T, N]; num_parts > 1: split-K partials [S, T, N] fp32 for rms_norm to sum
+    (whole rows where num_parts does not divide K); on cuBLAS or (gemv) the Triton GEMV."""
+    if gemv:
+        return triton_gemv.gemv(x, weight, parts=1 if x.shape[1] % num_parts else num_parts)
     if num_parts == 1 or x.shape[1] % num_parts:
         return F.linear(x, weight)
     (num_tokens, k), n = x.shape, weight.shape[0]
@@ -105,11 +123,12 @@ def _row_projection(x: torch.Tensor, weight: torch.Tensor, num_parts: int) -> to
 
 
 def _attention(attn: nn.Module, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-               cache: KVCache, meta: AttentionMetadata, backend: AttentionBackend, num_parts: int,
+               cache: KVCache, meta: AttentionMetadata, backend: AttentionBackend, num_parts: int, gemv: bool,
                pf: L2Prefetcher | NoPrefetch) -> torch.Tensor:
     num_tokens = x.shape[0]
     num_heads, num_kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    qkv = F.linear(x, attn.qkv_weight, attn.qkv_bias).view(num_tokens, num_heads + 2 * num_kv_heads, head_dim)
+    qkv = _column_projection(x, attn.qkv_weight, attn.qkv_bias, gemv)
+    qkv = qkv.view(num_tokens, num_heads + 2 * num_kv_heads, head_dim)
     pf.issue("o", attn.o_proj.weight, num_parts)  # during the attention: o_proj's leading bytes into L2
     q = qkv[:, :num_heads]  # [T, H, D] views
     k = qkv[:, num_heads: num_heads + num_kv_heads]  # [T, KVH, D]
@@ -121,8 +140,8 @@ def _attention(attn: nn.Module, x: torch.Tensor, positions: torch.Tensor, inv_fr
     else:
         rope_(q, k, positions, inv_freq)
         out = backend.forward(attn.layer, q, k, v, cache, meta)  # [T, H, D]
-    return _reduce(_row_projection(out.reshape(num_tokens, num_heads * head_dim), attn.o_proj.weight, num_parts),
-                   attn.tp)
+    out = _row_projection(out.reshape(num_tokens, num_heads * head_dim), attn.o_proj.weight, num_parts, gemv)
+    return _reduce(out, attn.tp)
 
 
 def _reduce(partial: torch.Tensor, tp: TensorParallelGroup | None) -> torch.Tensor:

@@ -126,6 +126,9 @@ class LlamaForCausalLM(nn.Module):
                              persistent=False)
         self.is_fused = False
         self.l2_prefetcher = None  # the fused forward's L2Prefetcher (kernels/l2_prefetch.py), set by the engine
+        # fused forward: steps of at most this many tokens run the projections and the LM head on the Triton GEMV
+        # (kernels/gemv.py) instead of cuBLAS; 0: never. Set by the engine (EngineConfig.gemv_max_tokens).
+        self.gemv_max_tokens = 0
 
     def enable_fused_kernels(self) -> None:
         """CUDA only: fused projections and the Triton RMSNorm/RoPE/SiLU·mul kernels (model/fused.py)."""
@@ -159,6 +162,10 @@ class LlamaForCausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [B, hidden] → [B, vocab] fp32."""
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        if self.is_fused and 0 < hidden.shape[0] <= self.gemv_max_tokens:
+            from services.gpu_worker.kernels.gemv import gemv
+
+            return gemv(hidden, weight).float()
         return F.linear(hidden, weight).float()
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:

@@ -1,0 +1,138 @@
+"""Matrix-vector products of decode steps of few tokens: x [M, K] @ weight [N, K]ᵀ for M ≤ MAX_TOKENS, in Triton.
+
+Opt-in (EngineConfig.gemv_max_tokens, 0 by default): the engine's matmuls run on cuBLAS unless it is set. At one
+token cuBLAS reads the q/k/v and o weights at about 70 % of the copy bandwidth on the H200 (docs/PERFORMANCE.md);
+this kernel exists to measure what a GEMV of our own would give there.
+
+Each program owns BLOCK_N rows of the weight and one of `parts` equal slices of K, and walks its slice BLOCK_K
+columns at a time. With one token it multiplies element-wise into a [BLOCK_N, BLOCK_K] fp32 accumulator and sums
+across K once at the end; with 2..16 tokens it pads x to 16 rows and uses tl.dot. parts = 1 writes [M, N] in x's
+dtype (plus the bias, if any); parts > 1 writes the fp32 partials [parts, M, N] that kernels/rms_norm.py sums, as
+model/fused.py's split-K cuBLAS call does.
+
+Which tile a shape gets: TUNED[(n, k, parts, m_bucket)] where present (measured on the H200 by
+`bench/h200_probe.py --phases gemv_triton`), else `heuristic_config`.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from services.gpu_worker.kernels import pdl
+
+MAX_TOKENS = 16  # the dot path pads x to 16 rows
+# o_proj's and down_proj's slices of K on this kernel (model/fused.py): fp32 partials that the next RMSNorm sums
+ROW_PARTS = 4
+
+
+class GemvConfig(NamedTuple):
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int = 1
+
+
+# (n, k, parts, m_bucket) → GemvConfig; m_bucket is 1 (one token) or 16 (2..16 tokens)
+TUNED: dict[tuple[int, int, int, int], GemvConfig] = {}
+
+
+def m_bucket(num_tokens: int) -> int:
+    return 1 if num_tokens == 1 else MAX_TOKENS
+
+
+def heuristic_config(n: int, k: int, parts: int, num_tokens: int) -> GemvConfig:
+    """About 4 programs per SM of a 132-SM GPU, each reading tiles of 8-16 KiB."""
+    block_k = min(512, triton.next_power_of_2(max(16, k // parts)))
+    block_n = 16 if num_tokens > 1 else max(4, min(32, triton.next_power_of_2(n * parts // 528)))
+    return GemvConfig(block_n, block_k, 4)
+
+
+def config_for(n: int, k: int, parts: int, num_tokens: int) -> GemvConfig:
+    return TUNED.get((n, k, parts, m_bucket(num_tokens))) or heuristic_config(n, k, parts, num_tokens)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, k_per_part, stride_xm, stride_wn, stride_op, stride_om,
+                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr, USE_PDL: tl.constexpr):
+    pid_n = tl.program_id(0)
+    part = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    k_lo = part * k_per_part
+    w_rows = w_ptr + offs_n[:, None] * stride_wn + k_lo
+    pdl.wait_for_previous(USE_PDL)
+    if BLOCK_M == 1:
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, k_per_part, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
+                x = tl.load(x_ptr + k_lo + offs_k)
+            else:
+                mask_k = offs_k < k_per_part
+                w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                            eviction_policy="evict_first")
+                x = tl.load(x_ptr + k_lo + offs_k, mask=mask_k, other=0.0)
+            acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        acc = tl.sum(acc2, axis=1)[None, :]  # [1, BLOCK_N]
+    else:
+        offs_m = tl.arange(0, BLOCK_M)
+        mask_m = offs_m < M
+        x_rows = x_ptr + offs_m[:, None] * stride_xm + k_lo
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, k_per_part, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < k_per_part
+            w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                        eviction_policy="evict_first")
+            x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc)
+    offs_m = tl.arange(0, BLOCK_M)
+    mask = (offs_m < M)[:, None] & mask_n[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + part * stride_op + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, parts: int = 1,
+         config: GemvConfig | None = None) -> torch.Tensor:
+    """x [M, K] (1 ≤ M ≤ MAX_TOKENS), weight [N, K] → x @ weightᵀ (+ bias): [M, N] in x's dtype, or with parts > 1
+    the fp32 partials [parts, M, N] over `parts` equal slices of K (no bias then; parts must divide K)."""
+    (num_tokens, k), n = x.shape, weight.shape[0]
+    if not 1 <= num_tokens <= MAX_TOKENS:
+        raise ValueError(f"gemv takes 1 to {MAX_TOKENS} rows, not {num_tokens}")
+    if weight.shape[1] != k or k % parts or (parts > 1 and bias is not None):
+        raise ValueError(f"gemv: x {tuple(x.shape)}, weight {tuple(weight.shape)}, parts {parts}, "
+                         f"bias {bias is not None}: K must match and divide into parts, and partials take no bias")
+    assert x.stride(1) == 1 and weight.stride(1) == 1
+    cfg = config or config_for(n, k, parts, num_tokens)
+    if parts == 1:
+        out = torch.empty((num_tokens, n), dtype=x.dtype, device=x.device)
+        stride_op = 0
+    else:
+        out = torch.empty((parts, num_tokens, n), dtype=torch.float32, device=x.device)
+        stride_op = out.stride(0)
+    k_per_part = k // parts
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n), parts)](
+        x, weight, bias if bias is not None else weight, out, num_tokens, n, k_per_part, x.stride(0),
+        weight.stride(0), stride_op, out.stride(-2), HAS_BIAS=bias is not None,
+        BLOCK_M=1 if num_tokens == 1 else MAX_TOKENS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        EVEN_K=k_per_part % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl.launch_options())
+    return out
+
+
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+             parts: int = 1) -> torch.Tensor:
+    """fp32 reference of `gemv`: [M, N] in x's dtype, or the partials [parts, M, N] fp32."""
+    if parts == 1:
+        out = x.float() @ weight.float().t()
+        return (out if bias is None else out + bias.float()).to(x.dtype)
+    k = x.shape[1] // parts
+    return torch.stack([x[:, i * k:(i + 1) * k].float() @ weight[:, i * k:(i + 1) * k].float().t()
+                        for i in range(parts)])

@@ -1,0 +1,57 @@
+"""The Triton GEMV (kernels/gemv.py) against its fp32 reference: one token and several, whole rows and split-K
+partials, a bias, shapes whose N and K do not fill the tile."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.gpu_worker.kernels import gemv as g
+from tests.kernels.helpers import DEVICE, gpu_only, randn, rel_err
+
+
+def _check(num_tokens, n, k, parts, dtype, tol, bias=False, config=None):
+    gen = torch.Generator().manual_seed(num_tokens * 7 + n + k + parts)
+    x = randn((num_tokens, k), gen, dtype, DEVICE)
+    w = randn((n, k), gen, dtype, DEVICE, scale=k ** -0.5)
+    b = randn((n,), gen, dtype, DEVICE) if bias else None
+    out, ref = g.gemv(x, w, b, parts, config), g.gemv_ref(x, w, b, parts)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert rel_err(out, ref) < tol
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3])
+@pytest.mark.parametrize("parts", [1, 4])
+def test_gemv_small(num_tokens, parts):
+    # N = 40 fills 2.5 tiles of 16 rows; K = 96 over 4 parts is 24 columns a part, not a multiple of BLOCK_K
+    _check(num_tokens, 40, 96, parts, torch.float32, 1e-5, config=g.GemvConfig(16, 16, 4))
+
+
+def test_gemv_even_k_and_bias():
+    _check(1, 24, 128, 1, torch.float32, 1e-5, bias=True, config=g.GemvConfig(8, 32, 2))
+    _check(5, 24, 128, 1, torch.float32, 1e-5, bias=True, config=g.GemvConfig(16, 32, 4))
+
+
+def test_gemv_default_configs_cover_the_model_shapes():
+    for n, k, parts in ((6144, 4096, 1), (4096, 4096, 4), (28672, 4096, 1), (4096, 14336, 4), (128256, 4096, 1)):
+        for m in (1, 8):
+            cfg = g.config_for(n, k, parts, m)
+            assert k // parts >= cfg.block_k or (k // parts) % cfg.block_k  # a tile no wider than a part
+            assert cfg.block_n >= (16 if m > 1 else 1)  # tl.dot needs 16 columns
+
+
+def test_gemv_rejects_what_it_cannot_compute():
+    x, w = torch.zeros(1, 8, device=DEVICE), torch.zeros(4, 8, device=DEVICE)
+    with pytest.raises(ValueError):
+        g.gemv(torch.zeros(17, 8, device=DEVICE), w)
+    with pytest.raises(ValueError):
+        g.gemv(x, w, parts=3)
+    with pytest.raises(ValueError):
+        g.gemv(x, w, torch.zeros(4, device=DEVICE), parts=2)
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("num_tokens", [1, 8])
+@pytest.mark.parametrize("n,k,parts", [(6144, 4096, 1), (4096, 4096, 4), (28672, 4096, 1), (4096, 14336, 4)])
+def test_gemv_llama8b_shapes(num_tokens, n, k, parts):
+    _check(num_tokens, n, k, parts, torch.bfloat16, 1e-2)
