@@ -24,8 +24,10 @@ import triton.language as tl
 from services.gpu_worker.kernels import pdl
 
 MAX_TOKENS = 16  # the dot path pads x to 16 rows
-# o_proj's and down_proj's slices of K on this kernel (model/fused.py): fp32 partials that the next RMSNorm sums
-ROW_PARTS = 4
+# o_proj's and down_proj's slices of K on this kernel (model/fused.py); 1: whole rows in the activation dtype, which
+# also spares the next RMSNorm the sum of fp32 partials. On the H200, o + down at one token: 44.9 µs at 1 part, 44.9
+# at 2, 45.5 at 4 (bench/results/h200_probe_20261203_n_gemv.json)
+ROW_PARTS = 1
 
 
 class GemvConfig(NamedTuple):
@@ -35,8 +37,20 @@ class GemvConfig(NamedTuple):
     num_stages: int = 1
 
 
-# (n, k, parts, m_bucket) → GemvConfig; m_bucket is 1 (one token) or 16 (2..16 tokens)
-TUNED: dict[tuple[int, int, int, int], GemvConfig] = {}
+# (n, k, parts, m_bucket) → GemvConfig; m_bucket is 1 (one token) or 16 (2..16 tokens). The H200's fastest tiles at
+# one token for Llama-3.1-8B's projections (`bench/h200_probe.py --phases gemv_engine`, of 36 tiles each; the dot
+# path at 8 tokens was slower than cuBLAS with every tile tried, so it has no entries).
+TUNED: dict[tuple[int, int, int, int], GemvConfig] = {
+    (6144, 4096, 1, 1): GemvConfig(16, 512, 8),  # q/k/v: 16.07 µs, cuBLAS 17.46
+    (4096, 4096, 1, 1): GemvConfig(8, 512, 8),  # o: 11.55 µs, cuBLAS 14.66 (12.24 split-K in 4)
+    (4096, 4096, 2, 1): GemvConfig(8, 256, 4, 3),
+    (4096, 4096, 4, 1): GemvConfig(8, 256, 4),
+    (28672, 4096, 1, 1): GemvConfig(8, 1024, 4),  # gate/up: 62.11 µs, cuBLAS 63.76
+    (4096, 14336, 1, 1): GemvConfig(8, 1024, 4),  # down: 33.37 µs, cuBLAS 35.71 (33.95 split-K in 4)
+    (4096, 14336, 2, 1): GemvConfig(8, 1024, 4),
+    (4096, 14336, 4, 1): GemvConfig(8, 256, 4),
+    (128256, 4096, 1, 1): GemvConfig(8, 1024, 4, 3),  # LM head: 250.5 µs, cuBLAS 251.1
+}
 
 
 def m_bucket(num_tokens: int) -> int:
