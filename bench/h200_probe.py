@@ -424,15 +424,16 @@ def engine_batch1_tiles(tiles: dict, kv_cache_dtype: str = "auto", rounds: int =
 
 def engine_batch1_gemv(best: dict, kv_cache_dtype: str = "auto", rounds: int = 5, steps: int = 60) -> dict:
     """The engine's batch-1 decode steps (overlap mode, 512-token prompt) with its graph captured with the matmuls on
-    cuBLAS, on the Triton GEMV with kernels/gemv.py's heuristic tiles, and on it with the fastest tiles of `best`
-    (kernel_table.gemv_sweep's, through gemv_tuning), in turn: `rounds` rounds of `steps` steps each."""
+    cuBLAS, on the Triton GEMV with kernels/gemv.py's tiles (its TUNED table, else its heuristic) and on it with the
+    fastest tiles of `best` (kernel_table.gemv_sweep's, through gemv_tuning), in turn: `rounds` rounds of `steps`
+    steps each."""
     from bench.kernel_table import gemv_tuning
     from services.gpu_worker.cuda_graphs import DecodeGraphs
     from services.gpu_worker.kernels import gemv as g
 
     engine = batch1_engine(kv_cache_dtype)
     tuned, row_parts = gemv_tuning(best)
-    settings = {"gemv_heuristic": ({}, g.ROW_PARTS), "gemv_tuned": (tuned, row_parts)}
+    settings = {"gemv_default": (dict(g.TUNED), g.ROW_PARTS), "gemv_swept": (tuned, row_parts)}
     variants = {"cublas": engine.graphs}
     saved = dict(g.TUNED), g.ROW_PARTS
     try:
@@ -450,8 +451,8 @@ def engine_batch1_gemv(best: dict, kv_cache_dtype: str = "auto", rounds: int = 5
         g.ROW_PARTS = saved[1]
     step_ms = alternate_graphs(engine, variants, rounds, steps)
     med = {k: sorted(v)[len(v) // 2] for k, v in step_ms.items()}
-    return {"kv_cache_dtype": str(engine.kv.dtype), "row_parts_tuned": row_parts,
-            "tuned": {"x".join(map(str, key)): list(cfg) for key, cfg in tuned.items()},
+    return {"kv_cache_dtype": str(engine.kv.dtype), "row_parts_swept": row_parts,
+            "swept": {"x".join(map(str, key)): list(cfg) for key, cfg in tuned.items()},
             "step_ms": {k: [round(x, 4) for x in v] for k, v in step_ms.items()},
             "median_ms": {k: round(v, 4) for k, v in med.items()},
             "over_cublas": {k: round(v / med["cublas"], 4) for k, v in med.items()},
@@ -769,6 +770,9 @@ def main() -> int:
     p.add_argument("--fp8tune-tiles", default="",
                    help="fp8tune: FP8 tiles keys,warps,stages,fp16_dots,max_regs[,asm_unpack] separated by ';', each "
                         "run over V in rows and in key pairs (an asm tile: pairs only); default: the grid")
+    p.add_argument("--gemv-wide", action="store_true",
+                   help="gemv_engine: one token only, over kernel_table.gemv_tiles_wide, split counts 1 and 2")
+    p.add_argument("--gemv-kv-cache", default="auto", help="gemv_engine: the engine A/B's KV cache dtypes, e.g. auto,fp8")
     args = p.parse_args()
     phases = set(args.phases.split(","))
     out = Path(args.out)
@@ -804,14 +808,18 @@ def main() -> int:
         save("w1_mixed_steps", w1_mixed_steps(args.mixed_requests))
         torch.cuda.empty_cache()
     if "gemv_engine" in phases:  # the Triton GEMV (kernels/gemv.py): each projection by tile, then the engine's step
-        from bench.kernel_table import gemv_sweep
+        from bench.kernel_table import gemv_sweep, gemv_tiles, gemv_tiles_wide
 
-        sweep = gemv_sweep(copy_tbs=copy_tbs)
+        if args.gemv_wide:  # the one-row kernel only, over the wider grid, at 1 and 2 parts
+            sweep = gemv_sweep(copy_tbs=copy_tbs, tokens=(1,), tiles=gemv_tiles_wide, max_parts=2)
+        else:
+            sweep = gemv_sweep(copy_tbs=copy_tbs, tiles=gemv_tiles)
         save("gemv_sweep", sweep)
         torch.cuda.empty_cache()
-        save("engine_batch1_gemv", engine_batch1_gemv(sweep["best"]))
-        gc.collect()
-        torch.cuda.empty_cache()
+        for cache in args.gemv_kv_cache.split(","):
+            save(f"engine_batch1_gemv_{cache}", engine_batch1_gemv(sweep["best"], cache))
+            gc.collect()
+            torch.cuda.empty_cache()
     if "tiles_engine" in phases:  # the split kernel's tile at batch 1 (bench/kernel_table.py --tile-sweep)
         for cache, tiles in (("auto", {"default": None, "bf16_32x4": (32, 4, 2, False, 0, False),
                                        "bf16_16x4": (16, 4, 2, False, 0, False)}),

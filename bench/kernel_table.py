@@ -448,17 +448,26 @@ def gemv_tiles(tokens: int) -> tuple:
     return tuple((bn, bk, w, 1) for bn in (16, 32, 64) for bk in (128, 256) for w in (4, 8))
 
 
+def gemv_tiles_wide(tokens: int) -> tuple:
+    """The one-row kernel over a wider grid than gemv_tiles' (4 to 32 rows, 256 to 2048 columns, 2 to 16 warps);
+    the dot kernel's tiles as gemv_tiles'."""
+    if tokens == 1:
+        return tuple((bn, bk, w, 1) for bn in (4, 8, 16, 32) for bk in (256, 512, 1024, 2048) for w in (2, 4, 8, 16))
+    return gemv_tiles(tokens)
+
+
 def gemv_sweep(shapes: Shapes = LLAMA3_8B, timer: Timer = graph_timer, max_calls: int = MAX_CALLS,
                copy_tbs: float | None = None, device: str = "cuda", tokens: tuple = (1, 8),
-               tiles: Callable[[int], tuple] = gemv_tiles, dtype: torch.dtype = torch.bfloat16) -> dict:
+               tiles: Callable[[int], tuple] = gemv_tiles, dtype: torch.dtype = torch.bfloat16,
+               max_parts: int = 8) -> dict:
     """Each projection of `shapes` at each token count and split count: on cuBLAS, and on the Triton GEMV with each
-    tile of tiles(tokens) no wider than a part. → {"rows": every row, "best": per (projection, tokens, parts) the
+    tile of tiles(tokens) no wider than a part; split counts up to max_parts. → {"rows": every row, "best": per (projection, tokens, parts) the
     fastest tile, its µs and fraction of copy, and cuBLAS's µs}."""
     t = Table(shapes, timer, max_calls, copy_tbs, device, dtype)
     best = {}
     for name, n, k, counts in gemv_shapes(shapes):
         for m in tokens:
-            for parts in counts:
+            for parts in (c for c in counts if c <= max_parts):
                 base = t.gemv(name, m, n, k, parts)
                 tried = {cfg: t.gemv(name, m, n, k, parts, cfg) for cfg in tiles(m) if cfg[1] <= k // parts}
                 if not tried:
