@@ -772,6 +772,8 @@ def main() -> int:
                         "run over V in rows and in key pairs (an asm tile: pairs only); default: the grid")
     p.add_argument("--gemv-wide", action="store_true",
                    help="gemv_engine: one token only, over kernel_table.gemv_tiles_wide, split counts 1 and 2")
+    p.add_argument("--gemv-tiles", default="", help="gemv_engine: one token only, whole rows, these tiles "
+                   "(block_n,block_k,num_warps,num_stages separated by ';')")
     p.add_argument("--gemv-kv-cache", default="auto", help="gemv_engine: the engine A/B's KV cache dtypes, e.g. auto,fp8")
     args = p.parse_args()
     phases = set(args.phases.split(","))
@@ -810,7 +812,10 @@ def main() -> int:
     if "gemv_engine" in phases:  # the Triton GEMV (kernels/gemv.py): each projection by tile, then the engine's step
         from bench.kernel_table import gemv_sweep, gemv_tiles, gemv_tiles_wide
 
-        if args.gemv_wide:  # the one-row kernel only, over the wider grid, at 1 and 2 parts
+        listed = tuple(tuple(int(x) for x in tile.split(",")) for tile in args.gemv_tiles.split(";") if tile)
+        if listed:  # the one-row kernel only, with these tiles, whole rows
+            sweep = gemv_sweep(copy_tbs=copy_tbs, tokens=(1,), tiles=lambda m: listed, max_parts=1)
+        elif args.gemv_wide:  # the one-row kernel only, over the wider grid, at 1 and 2 parts
             sweep = gemv_sweep(copy_tbs=copy_tbs, tokens=(1,), tiles=gemv_tiles_wide, max_parts=2)
         else:
             sweep = gemv_sweep(copy_tbs=copy_tbs, tiles=gemv_tiles)

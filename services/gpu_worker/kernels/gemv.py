@@ -25,8 +25,8 @@ from services.gpu_worker.kernels import pdl
 
 MAX_TOKENS = 16  # the dot path pads x to 16 rows
 # o_proj's and down_proj's slices of K on this kernel (model/fused.py); 1: whole rows in the activation dtype, which
-# also spares the next RMSNorm the sum of fp32 partials. On the H200, o + down at one token: 44.9 µs at 1 part, 44.9
-# at 2, 45.5 at 4 (bench/results/h200_probe_20261203_n_gemv.json)
+# also spares the next RMSNorm the sum of fp32 partials. On the H200, o + down at one token: 44.2 µs at 1 part, 44.4
+# at 2 (h200_probe_20261203_o_gemv_wide.json); 45.5 at 4 (h200_probe_20261203_n_gemv.json)
 ROW_PARTS = 1
 
 
@@ -38,18 +38,17 @@ class GemvConfig(NamedTuple):
 
 
 # (n, k, parts, m_bucket) → GemvConfig; m_bucket is 1 (one token) or 16 (2..16 tokens). The H200's fastest tiles at
-# one token for Llama-3.1-8B's projections (`bench/h200_probe.py --phases gemv_engine`, of 36 tiles each; the dot
-# path at 8 tokens was slower than cuBLAS with every tile tried, so it has no entries).
+# one token for Llama-3.1-8B's projections, of 64 tiles each (`bench/h200_probe.py --phases gemv_engine --gemv-wide`,
+# bench/results/h200_probe_20261203_o_gemv_wide.json); the dot path at 8 tokens was slower than cuBLAS with every
+# tile tried (h200_probe_20261203_n_gemv.json), so it has no entries.
 TUNED: dict[tuple[int, int, int, int], GemvConfig] = {
-    (6144, 4096, 1, 1): GemvConfig(16, 512, 8),  # q/k/v: 16.07 µs, cuBLAS 17.46
-    (4096, 4096, 1, 1): GemvConfig(8, 512, 8),  # o: 11.55 µs, cuBLAS 14.66 (12.24 split-K in 4)
-    (4096, 4096, 2, 1): GemvConfig(8, 256, 4, 3),
-    (4096, 4096, 4, 1): GemvConfig(8, 256, 4),
-    (28672, 4096, 1, 1): GemvConfig(8, 1024, 4),  # gate/up: 62.11 µs, cuBLAS 63.76
-    (4096, 14336, 1, 1): GemvConfig(8, 1024, 4),  # down: 33.37 µs, cuBLAS 35.71 (33.95 split-K in 4)
-    (4096, 14336, 2, 1): GemvConfig(8, 1024, 4),
-    (4096, 14336, 4, 1): GemvConfig(8, 256, 4),
-    (128256, 4096, 1, 1): GemvConfig(8, 1024, 4, 3),  # LM head: 250.5 µs, cuBLAS 251.1
+    (6144, 4096, 1, 1): GemvConfig(4, 2048, 4),  # q/k/v: 15.70 µs, cuBLAS 17.44
+    (4096, 4096, 1, 1): GemvConfig(4, 2048, 4),  # o: 11.31 µs, cuBLAS 14.62 (12.24 split-K in 4, the engine's form)
+    (4096, 4096, 2, 1): GemvConfig(4, 512, 2),
+    (28672, 4096, 1, 1): GemvConfig(4, 2048, 4),  # gate/up: 61.02 µs, cuBLAS 63.62
+    (4096, 14336, 1, 1): GemvConfig(4, 2048, 4),  # down: 32.90 µs, cuBLAS 35.73 (33.95 split-K in 4)
+    (4096, 14336, 2, 1): GemvConfig(4, 1024, 4),
+    (128256, 4096, 1, 1): GemvConfig(4, 2048, 8),  # LM head: 247.6 µs, cuBLAS 251.7
 }
 
 
@@ -58,10 +57,11 @@ def m_bucket(num_tokens: int) -> int:
 
 
 def heuristic_config(n: int, k: int, parts: int, num_tokens: int) -> GemvConfig:
-    """About 4 programs per SM of a 132-SM GPU, each reading tiles of 8-16 KiB."""
-    block_k = min(512, triton.next_power_of_2(max(16, k // parts)))
-    block_n = 16 if num_tokens > 1 else max(4, min(32, triton.next_power_of_2(n * parts // 528)))
-    return GemvConfig(block_n, block_k, 4)
+    """Shapes TUNED lacks: at one token the H200's best tile for every Llama-3.1-8B projection (4 rows by up to 2048
+    columns, 4 warps); with more tokens a 16 x 16 x 256 dot tile."""
+    if num_tokens > 1:
+        return GemvConfig(16, min(256, triton.next_power_of_2(max(16, k // parts))), 4)
+    return GemvConfig(4, min(2048, triton.next_power_of_2(max(16, k // parts))), 4)
 
 
 def config_for(n: int, k: int, parts: int, num_tokens: int) -> GemvConfig:
