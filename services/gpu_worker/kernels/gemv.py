@@ -38,17 +38,18 @@ class GemvConfig(NamedTuple):
 
 
 # (n, k, parts, m_bucket) → GemvConfig; m_bucket is 1 (one token) or 16 (2..16 tokens). The H200's fastest tiles at
-# one token for Llama-3.1-8B's projections, of 64 tiles each (`bench/h200_probe.py --phases gemv_engine --gemv-wide`,
-# bench/results/h200_probe_20261203_o_gemv_wide.json); the dot path at 8 tokens was slower than cuBLAS with every
-# tile tried (h200_probe_20261203_n_gemv.json), so it has no entries.
+# one token for Llama-3.1-8B's projections: of 64 tiles each (`bench/h200_probe.py --phases gemv_engine --gemv-wide`,
+# bench/results/h200_probe_20261203_o_gemv_wide.json), then of 12 around the best (`--gemv-tiles`,
+# h200_probe_20261203_p_gemv_edge.json). The dot path at 8 tokens was slower than cuBLAS with every tile tried
+# (h200_probe_20261203_n_gemv.json), so it has no entries.
 TUNED: dict[tuple[int, int, int, int], GemvConfig] = {
-    (6144, 4096, 1, 1): GemvConfig(4, 2048, 4),  # q/k/v: 15.70 µs, cuBLAS 17.44
-    (4096, 4096, 1, 1): GemvConfig(4, 2048, 4),  # o: 11.31 µs, cuBLAS 14.62 (12.24 split-K in 4, the engine's form)
+    (6144, 4096, 1, 1): GemvConfig(2, 4096, 4),  # q/k/v: 14.92 µs, cuBLAS 17.46
+    (4096, 4096, 1, 1): GemvConfig(2, 4096, 4),  # o: 10.81 µs, cuBLAS 14.67 (12.24 split-K in 4, the engine's form)
     (4096, 4096, 2, 1): GemvConfig(4, 512, 2),
-    (28672, 4096, 1, 1): GemvConfig(4, 2048, 4),  # gate/up: 61.02 µs, cuBLAS 63.62
-    (4096, 14336, 1, 1): GemvConfig(4, 2048, 4),  # down: 32.90 µs, cuBLAS 35.73 (33.95 split-K in 4)
+    (28672, 4096, 1, 1): GemvConfig(2, 4096, 4),  # gate/up: 58.02 µs, cuBLAS 63.76
+    (4096, 14336, 1, 1): GemvConfig(4, 2048, 4),  # down: 32.89 µs, cuBLAS 35.90 (33.95 split-K in 4)
     (4096, 14336, 2, 1): GemvConfig(4, 1024, 4),
-    (128256, 4096, 1, 1): GemvConfig(4, 2048, 8),  # LM head: 247.6 µs, cuBLAS 251.7
+    (128256, 4096, 1, 1): GemvConfig(2, 4096, 4),  # LM head: 241.0 µs, cuBLAS 252.1
 }
 
 
@@ -57,11 +58,12 @@ def m_bucket(num_tokens: int) -> int:
 
 
 def heuristic_config(n: int, k: int, parts: int, num_tokens: int) -> GemvConfig:
-    """Shapes TUNED lacks: at one token the H200's best tile for every Llama-3.1-8B projection (4 rows by up to 2048
-    columns, 4 warps); with more tokens a 16 x 16 x 256 dot tile."""
+    """Shapes TUNED lacks. At one token the H200's best tiles for Llama-3.1-8B: a part of K up to 4096 columns in one
+    tile of 2 rows, a longer one in tiles of 4 rows by 2048; 4 warps. With more tokens a 16 x 16 x 256 dot tile."""
+    width = triton.next_power_of_2(max(16, k // parts))
     if num_tokens > 1:
-        return GemvConfig(16, min(256, triton.next_power_of_2(max(16, k // parts))), 4)
-    return GemvConfig(4, min(2048, triton.next_power_of_2(max(16, k // parts))), 4)
+        return GemvConfig(16, min(256, width), 4)
+    return GemvConfig(2, width, 4) if width <= 4096 else GemvConfig(4, 2048, 4)
 
 
 def config_for(n: int, k: int, parts: int, num_tokens: int) -> GemvConfig:
