@@ -98,6 +98,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-pages", type=int, default=0, help="KV pages per worker (0: sized automatically)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                         help="auto: the model's dtype; fp8: e4m3, half the bytes per cached token (not bit-exact)")
+    parser.add_argument("--gemv-max-tokens", type=int, default=0, metavar="N",
+                        help="CUDA: decode steps of at most N tokens run their matmuls on the Triton GEMV instead of "
+                             "cuBLAS (0: never; 1 makes batch-1 decode about 7%% faster on the H200)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--no-prefix-cache", action="store_true", help="turn the radix prefix cache off")
@@ -139,6 +142,7 @@ def build_suite(args: argparse.Namespace, run_dir: Path) -> Suite:
                 "--scheduler-addrs", sched, "--cache-index-addr", index, "--model", args.model,
                 "--device", device, "--dtype", args.dtype, "--tensor-parallel-size", str(tp),
                 "--num-pages", str(args.num_pages), "--kv-cache-dtype", args.kv_cache_dtype,
+                "--gemv-max-tokens", str(args.gemv_max_tokens),
                 "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                 "--max-num-seqs", str(args.max_num_seqs),
                 "--enable-prefix-cache", "false" if args.no_prefix_cache else "true"]

@@ -11,6 +11,7 @@ from services.gpu_worker.model.config import ModelConfig
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+GEMV_MAX_TOKENS_LIMIT = 16  # kernels/gemv.MAX_TOKENS (this module imports no Triton)
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,8 @@ class EngineConfig:
     # or "on" (an error where it has not). Off by default: on the H200 every setting made the step slower.
     l2_prefetch: str = "off"
     # Steps of at most this many tokens (0..16) run their projections and LM head on the Triton GEMV
-    # (kernels/gemv.py) instead of cuBLAS; Triton backend only. 0, the default: every matmul on cuBLAS.
+    # (kernels/gemv.py) instead of cuBLAS; Triton backend only. 0, the default: every matmul on cuBLAS. On the H200,
+    # 1 makes the batch-1 step 7 % faster; at 8 tokens the GEMV is slower than cuBLAS (docs/PERFORMANCE.md).
     gemv_max_tokens: int = 0
     seed: int = 0  # random weights' seed for random:<preset> models
     # The KV cache's dtype: "auto" (the model's dtype) or "fp8" (float8 e4m3, no scale: half the bytes per
@@ -66,8 +68,8 @@ class EngineConfig:
                              f"not {self.kv_cache_dtype!r}")
         if self.warmup and self.tensor_parallel_size > 1:
             raise ValueError("warmup runs on a single-rank engine only (tensor-parallel ranks step in lockstep)")
-        if not 0 <= self.gemv_max_tokens <= 16:  # kernels/gemv.MAX_TOKENS (no Triton import here)
-            raise ValueError(f"gemv_max_tokens must be 0 to 16, not {self.gemv_max_tokens}")
+        if not 0 <= self.gemv_max_tokens <= GEMV_MAX_TOKENS_LIMIT:
+            raise ValueError(f"gemv_max_tokens must be 0 to {GEMV_MAX_TOKENS_LIMIT}, not {self.gemv_max_tokens}")
         for name in ("pdl", "l2_prefetch"):
             if getattr(self, name) not in ("auto", "on", "off"):
                 raise ValueError(f"{name} must be 'auto', 'on' or 'off', not {getattr(self, name)!r}")

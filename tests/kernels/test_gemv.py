@@ -64,3 +64,26 @@ def test_gemv_rejects_what_it_cannot_compute():
 @pytest.mark.parametrize("n,k,parts", [(6144, 4096, 1), (4096, 4096, 4), (28672, 4096, 1), (4096, 14336, 4)])
 def test_gemv_llama8b_shapes(num_tokens, n, k, parts):
     _check(num_tokens, n, k, parts, torch.bfloat16, 1e-2)
+
+
+def test_the_flag_reaches_the_engine_from_serve_and_the_worker(tmp_path):
+    """`radixserve serve --gemv-max-tokens N` passes N to each gpu_worker, whose config passes it to the engine; a
+    value past the kernel's MAX_TOKENS is refused with the flag's name."""
+    import argparse
+
+    from radixserve.serve import add_serve_arguments, build_suite
+    from services.gpu_worker.config import WorkerConfig
+    from services.gpu_worker.engine_config import GEMV_MAX_TOKENS_LIMIT
+
+    assert GEMV_MAX_TOKENS_LIMIT == g.MAX_TOKENS
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args(["--gemv-max-tokens", "1", "--workers", "2", "--redis-url", "redis://127.0.0.1:1"])
+    workers = [c for c in build_suite(args, tmp_path).children if c.argv[0] == "services.gpu_worker"]
+    assert len(workers) == 2
+    for child in workers:
+        assert child.argv[child.argv.index("--gemv-max-tokens") + 1] == "1"
+    assert WorkerConfig(gemv_max_tokens=1).engine_config().gemv_max_tokens == 1
+    assert WorkerConfig().engine_config().gemv_max_tokens == 0  # cuBLAS by default
+    with pytest.raises(ValueError, match="gemv_max_tokens must be 0 to 16"):
+        WorkerConfig(gemv_max_tokens=17)
