@@ -11,6 +11,10 @@ from DRAM, and a row is what the kernel costs as a node of the engine's graphs: 
 next node. The row `empty`, a kernel of one program that does nothing, is that floor.
 
     python -m bench.kernel_table --out $OUT [--tile-sweep] [--split-sweep] [--gemv-sweep]   # Llama-3.1-8B, on the GPU
+
+The sweeps time one kernel over its options: the decode kernel by tile at small batches and by split count at large
+ones; the model's projections on cuBLAS and on kernels/gemv.py by tile and split count (gemv_sweep, whose fastest
+tiles gemv_tuning turns into that module's TUNED table).
 """
 from __future__ import annotations
 

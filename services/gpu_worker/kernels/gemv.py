@@ -1,8 +1,9 @@
 """Matrix-vector products of decode steps of few tokens: x [M, K] @ weight [N, K]ᵀ for M ≤ MAX_TOKENS, in Triton.
 
 Opt-in (EngineConfig.gemv_max_tokens, 0 by default): the engine's matmuls run on cuBLAS unless it is set. At one
-token cuBLAS reads the q/k/v and o weights at about 70 % of the copy bandwidth on the H200 (docs/PERFORMANCE.md);
-this kernel exists to measure what a GEMV of our own would give there.
+token cuBLAS reads the q/k/v and o weights at 0.68 and 0.54 of the H200's copy bandwidth; this kernel reads them at
+0.80 and 0.73, and the engine's batch-1 step with it takes 0.928 of cuBLAS's time (docs/PERFORMANCE.md, "Thirty-fourth
+and thirty-fifth runs"). At 8 tokens its dot path is slower than cuBLAS.
 
 Each program owns BLOCK_N rows of the weight and one of `parts` equal slices of K, and walks its slice BLOCK_K
 columns at a time. With one token it multiplies element-wise into a [BLOCK_N, BLOCK_K] fp32 accumulator and sums
