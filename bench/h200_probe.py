@@ -32,7 +32,7 @@ model/fused.py driven directly over a hand-built paged cache.
      tiles of fewer keys, in turn (bench/kernel_table.py --tile-sweep times the kernel alone);
  13. (gemv_engine) each projection at 1 and 8 tokens on cuBLAS and on the Triton GEMV by tile and split count
      (bench/kernel_table.gemv_sweep), then the engine's batch-1 steps with the graph captured on cuBLAS, on the GEMV's
-     heuristic tiles and on the sweep's fastest, in turn.
+     committed tiles (kernels/gemv.TUNED) and on the sweep's fastest, in turn.
 
 Phase "merge" (the decode kernel merging its own splits by an atomic ticket per sequence and KV head) ran from
 commit cfe5e49, which holds it and the kernel option; both were removed after the run
@@ -377,6 +377,17 @@ def batch1_engine(kv_cache_dtype: str = "auto"):
     return engine
 
 
+def step_summary(step_ms: dict[str, list[float]]) -> dict:
+    """alternate_graphs' rounds by variant → each round, each variant's median, its ratio to the first variant's
+    (the baseline) and to the batch-1 roofline of 3.76 ms."""
+    med = {k: sorted(v)[len(v) // 2] for k, v in step_ms.items()}
+    first = next(iter(med))
+    return {"step_ms": {k: [round(x, 4) for x in v] for k, v in step_ms.items()},
+            "median_ms": {k: round(v, 4) for k, v in med.items()},
+            f"over_{first}": {k: round(v / med[first], 4) for k, v in med.items()},
+            "tpot_over_roofline": {k: round(v / 3.76, 4) for k, v in med.items()}}
+
+
 def engine_batch1_prefetch(pcfg: l2_prefetch.PrefetchConfig, rounds: int = 5, steps: int = 60) -> dict:
     """The engine's batch-1 decode steps (overlap mode, 512-token prompt) with its graph captured without and with
     the L2 prefetch `pcfg`, in turn: `rounds` rounds of `steps` steps each."""
@@ -388,12 +399,7 @@ def engine_batch1_prefetch(pcfg: l2_prefetch.PrefetchConfig, rounds: int = 5, st
     variants["on"] = DecodeGraphs(engine.model, engine.kv, engine.backend, 1, engine.max_seq_len)
     variants["on"].capture()
     engine.model.l2_prefetcher = None
-    step_ms = alternate_graphs(engine, variants, rounds, steps)
-    med = {k: sorted(v)[len(v) // 2] for k, v in step_ms.items()}
-    return {"config": str(pcfg),
-            "step_ms": {k: [round(x, 4) for x in v] for k, v in step_ms.items()},
-            "median_ms": {k: round(v, 4) for k, v in med.items()}, "on_over_off": round(med["on"] / med["off"], 4),
-            "tpot_over_roofline_on": round(med["on"] / 3.76, 4)}
+    return {"config": str(pcfg), **step_summary(alternate_graphs(engine, variants, rounds, steps))}
 
 
 def engine_batch1_tiles(tiles: dict, kv_cache_dtype: str = "auto", rounds: int = 5, steps: int = 60) -> dict:
@@ -412,14 +418,8 @@ def engine_batch1_tiles(tiles: dict, kv_cache_dtype: str = "auto", rounds: int =
             variants[label].capture()
     finally:
         da.default_tile = default_tile
-    step_ms = alternate_graphs(engine, variants, rounds, steps)
-    med = {k: sorted(v)[len(v) // 2] for k, v in step_ms.items()}
-    first = next(iter(med))
     return {"kv_cache_dtype": str(engine.kv.dtype), "tiles": {k: list(t) if t else None for k, t in tiles.items()},
-            "step_ms": {k: [round(x, 4) for x in v] for k, v in step_ms.items()},
-            "median_ms": {k: round(v, 4) for k, v in med.items()},
-            "over_first": {k: round(v / med[first], 4) for k, v in med.items()},
-            "tpot_over_roofline": {k: round(v / 3.76, 4) for k, v in med.items()}}
+            **step_summary(alternate_graphs(engine, variants, rounds, steps))}
 
 
 def engine_batch1_gemv(best: dict, kv_cache_dtype: str = "auto", rounds: int = 5, steps: int = 60) -> dict:
@@ -435,28 +435,17 @@ def engine_batch1_gemv(best: dict, kv_cache_dtype: str = "auto", rounds: int = 5
     tuned, row_parts = gemv_tuning(best)
     settings = {"gemv_default": (dict(g.TUNED), g.ROW_PARTS), "gemv_swept": (tuned, row_parts)}
     variants = {"cublas": engine.graphs}
-    saved = dict(g.TUNED), g.ROW_PARTS
+    engine.model.gemv_max_tokens = 1
     try:
         for label, (table, parts) in settings.items():
-            g.TUNED.clear()
-            g.TUNED.update(table)
-            g.ROW_PARTS = parts
-            engine.model.gemv_max_tokens = 1
-            variants[label] = DecodeGraphs(engine.model, engine.kv, engine.backend, 1, engine.max_seq_len)
-            variants[label].capture()
+            with g.tiles_as(table, parts):
+                variants[label] = DecodeGraphs(engine.model, engine.kv, engine.backend, 1, engine.max_seq_len)
+                variants[label].capture()
     finally:
         engine.model.gemv_max_tokens = 0
-        g.TUNED.clear()
-        g.TUNED.update(saved[0])
-        g.ROW_PARTS = saved[1]
-    step_ms = alternate_graphs(engine, variants, rounds, steps)
-    med = {k: sorted(v)[len(v) // 2] for k, v in step_ms.items()}
     return {"kv_cache_dtype": str(engine.kv.dtype), "row_parts_swept": row_parts,
             "swept": {"x".join(map(str, key)): list(cfg) for key, cfg in tuned.items()},
-            "step_ms": {k: [round(x, 4) for x in v] for k, v in step_ms.items()},
-            "median_ms": {k: round(v, 4) for k, v in med.items()},
-            "over_cublas": {k: round(v / med["cublas"], 4) for k, v in med.items()},
-            "tpot_over_roofline": {k: round(v / 3.76, 4) for k, v in med.items()}}
+            **step_summary(alternate_graphs(engine, variants, rounds, steps))}
 
 
 def w1_mixed_steps(num_requests: int) -> dict:

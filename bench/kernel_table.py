@@ -350,12 +350,14 @@ class Table:
         from services.gpu_worker.kernels import gemv as g
         from services.gpu_worker.model import fused
 
+        cfg = None if config is None else g.GemvConfig(*config)
+
         def build(i: int):
             x, w = self.randn(tokens, k), self.randn(n, k) * k ** -0.5
-            if config is None:
+            if cfg is None:
                 call = (lambda: F.linear(x, w)) if parts == 1 else (lambda: fused._row_projection(x, w, parts, False))
             else:
-                call = lambda: g.gemv(x, w, parts=parts, config=g.GemvConfig(*config))  # noqa: E731
+                call = lambda: g.gemv(x, w, parts=parts, config=cfg)  # noqa: E731
             return call, (lambda: rel_err(call(), g.gemv_ref(x, w, parts=parts)))
 
         out_bytes = parts * tokens * n * 4 if parts > 1 else tokens * n * self.esize

@@ -87,3 +87,14 @@ def test_the_flag_reaches_the_engine_from_serve_and_the_worker(tmp_path):
     assert WorkerConfig().engine_config().gemv_max_tokens == 0  # cuBLAS by default
     with pytest.raises(ValueError, match="gemv_max_tokens must be 0 to 16"):
         WorkerConfig(gemv_max_tokens=17)
+
+
+def test_tiles_as_swaps_the_table_and_restores_it_even_on_error():
+    shape = (6144, 4096, 1, 1)
+    before, parts = g.TUNED[shape], g.ROW_PARTS
+    with pytest.raises(RuntimeError):
+        with g.tiles_as({shape: g.GemvConfig(8, 256, 2)}, 4):
+            assert g.config_for(6144, 4096, 1, 1) == g.GemvConfig(8, 256, 2) and g.ROW_PARTS == 4
+            assert g.config_for(28672, 4096, 1, 1) == g.heuristic_config(28672, 4096, 1, 1)  # only the table's
+            raise RuntimeError("a failed capture")
+    assert g.TUNED[shape] == before and g.ROW_PARTS == parts

@@ -16,6 +16,7 @@ Which tile a shape gets: TUNED[(n, k, parts, m_bucket)] where present (measured 
 """
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -52,6 +53,23 @@ TUNED: dict[tuple[int, int, int, int], GemvConfig] = {
     (4096, 14336, 2, 1): GemvConfig(4, 1024, 4),
     (128256, 4096, 1, 1): GemvConfig(2, 4096, 4),  # LM head: 241.0 µs, cuBLAS 252.1
 }
+
+
+@contextlib.contextmanager
+def tiles_as(table: dict, row_parts: int):
+    """Within the block, TUNED is `table` and ROW_PARTS `row_parts` (a benchmark capturing graphs under tiles it
+    measured); both are restored after it."""
+    global ROW_PARTS
+    saved = dict(TUNED), ROW_PARTS
+    TUNED.clear()
+    TUNED.update(table)
+    ROW_PARTS = row_parts
+    try:
+        yield
+    finally:
+        TUNED.clear()
+        TUNED.update(saved[0])
+        ROW_PARTS = saved[1]
 
 
 def m_bucket(num_tokens: int) -> int:
