@@ -93,7 +93,8 @@ def kernel_bandwidth() -> dict:
 
 
 def make_engine(loaded, max_num_seqs: int, chunk: int, graphs: bool = True, staging: str = "stream",
-                pdl: str = "off", kv_cache_dtype: str = "auto", l2_prefetch: str = "off", gemv_max_tokens: int = 0):
+                pdl: str = "off", kv_cache_dtype: str = "auto", l2_prefetch: str = "off",
+                gemv_max_tokens: int | None = None):
     from services.gpu_worker.engine import Engine
     from services.gpu_worker.engine_config import EngineConfig
 
@@ -218,6 +219,8 @@ def pick_fp8_tile(copy_tbs: float, batch: int, context: int = 1504) -> tuple[tup
 
 
 def main() -> int:
+    from services.gpu_worker.engine_config import parse_gemv_max_tokens
+
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     p.add_argument("--time-budget-s", type=float, default=540)
@@ -236,8 +239,9 @@ def main() -> int:
     p.add_argument("--pdl", default="off", help="EngineConfig.pdl: off, auto or on")
     p.add_argument("--kv-cache-dtype", default="auto", help="EngineConfig.kv_cache_dtype: auto or fp8")
     p.add_argument("--l2-prefetch", default="off", help="EngineConfig.l2_prefetch: off, auto or on")
-    p.add_argument("--gemv-max-tokens", type=int, default=0,
-                   help="EngineConfig.gemv_max_tokens: steps of at most this many tokens on the Triton GEMV (0: cuBLAS)")
+    p.add_argument("--gemv-max-tokens", type=parse_gemv_max_tokens, default=None,
+                   help="EngineConfig.gemv_max_tokens: steps of at most this many tokens on the Triton GEMV "
+                        "(0: cuBLAS; auto, the default: 1)")
     p.add_argument("--decode-tile-fp8", default="",
                    help="replaces decode_attention.TILE_FP8 and TILE_FP8_FEW: "
                         "keys,warps,stages,fp16_dots,max_regs[,asm_unpack] (e.g. 128,4,3,1,128 or 128,4,2,1,0,1); "

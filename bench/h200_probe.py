@@ -360,14 +360,15 @@ def engine_batch1(out: Path) -> dict:
             "host_calls_per_step_us": [(k, round(t, 1), round(n, 1)) for k, t, n in top_cpu]}
 
 
-def batch1_engine(kv_cache_dtype: str = "auto"):
+def batch1_engine(kv_cache_dtype: str = "auto", gemv_max_tokens: int | None = None):
     """An engine of one sequence (random:llama3-8b, overlap mode) 20 steps into decoding a 512-token prompt, with
-    4000 tokens to go."""
+    4000 tokens to go; its matmuls as EngineConfig.gemv_max_tokens says (None: the default)."""
     from services.gpu_worker.model.loader import load_model
     from services.gpu_worker.request import SamplingParams
 
     loaded = load_model("random:llama3-8b", dtype=torch.bfloat16, device="cuda", seed=0)
-    engine = make_engine(loaded, max_num_seqs=1, chunk=8192, kv_cache_dtype=kv_cache_dtype)
+    engine = make_engine(loaded, max_num_seqs=1, chunk=8192, kv_cache_dtype=kv_cache_dtype,
+                         gemv_max_tokens=gemv_max_tokens)
     loaded.state_dict.clear()
     torch.cuda.empty_cache()
     engine.add_request("p", list(range(100, 612)),
@@ -431,7 +432,7 @@ def engine_batch1_gemv(best: dict, kv_cache_dtype: str = "auto", rounds: int = 5
     from services.gpu_worker.cuda_graphs import DecodeGraphs
     from services.gpu_worker.kernels import gemv as g
 
-    engine = batch1_engine(kv_cache_dtype)
+    engine = batch1_engine(kv_cache_dtype, gemv_max_tokens=0)
     tuned, row_parts = gemv_tuning(best)
     settings = {"gemv_default": (dict(g.TUNED), g.ROW_PARTS), "gemv_swept": (tuned, row_parts)}
     variants = {"cublas": engine.graphs}
@@ -763,7 +764,8 @@ def main() -> int:
                    help="gemv_engine: one token only, over kernel_table.gemv_tiles_wide, split counts 1 and 2")
     p.add_argument("--gemv-tiles", default="", help="gemv_engine: one token only, whole rows, these tiles "
                    "(block_n,block_k,num_warps,num_stages separated by ';')")
-    p.add_argument("--gemv-kv-cache", default="auto", help="gemv_engine: the engine A/B's KV cache dtypes, e.g. auto,fp8")
+    p.add_argument("--gemv-kv-cache", default="auto",
+                   help="gemv_engine: the engine A/B's KV cache dtypes, e.g. auto,fp8")
     args = p.parse_args()
     phases = set(args.phases.split(","))
     out = Path(args.out)

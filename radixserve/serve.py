@@ -83,6 +83,22 @@ def _stop_redis(server: object) -> None:
     server.shutdown()
 
 
+GEMV_MAX_TOKENS_LIMIT = 16  # services/gpu_worker/engine_config.py's (serve imports no torch; a test pins the two)
+
+
+def _gemv_max_tokens(text: str) -> str:
+    """--gemv-max-tokens: "auto" or 0 to the limit, checked here so that a bad value stops serve before any worker."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= GEMV_MAX_TOKENS_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be auto or 0 to {GEMV_MAX_TOKENS_LIMIT}, not {text!r}")
+    return str(value)
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="bundled",
                         help='"bundled" (SmolLM2-135M-Instruct), a Hugging Face directory, or random:<preset>')
@@ -98,9 +114,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-pages", type=int, default=0, help="KV pages per worker (0: sized automatically)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                         help="auto: the model's dtype; fp8: e4m3, half the bytes per cached token (not bit-exact)")
-    parser.add_argument("--gemv-max-tokens", type=int, default=0, metavar="N",
-                        help="CUDA: decode steps of at most N tokens run their matmuls on the Triton GEMV instead of "
-                             "cuBLAS (0: never; 1 makes batch-1 decode about 7%% faster on the H200)")
+    parser.add_argument("--gemv-max-tokens", type=_gemv_max_tokens, default="auto", metavar="N",
+                        help="CUDA: decode steps of at most N tokens (0-16) run their matmuls on the Triton GEMV "
+                             "instead of cuBLAS (0: never; auto, the default: 1 with one GPU per worker, which makes "
+                             "batch-1 decode about 7%% faster on the H200, else 0)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--no-prefix-cache", action="store_true", help="turn the radix prefix cache off")

@@ -5,7 +5,8 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-from services.gpu_worker.engine_config import GEMV_MAX_TOKENS_LIMIT, KV_CACHE_DTYPES, EngineConfig
+from services.gpu_worker.engine_config import (GEMV_MAX_TOKENS_LIMIT, KV_CACHE_DTYPES, EngineConfig,
+                                               parse_gemv_max_tokens)
 from services.gpu_worker.kv_cache import check_page_size
 
 ROLES = ("mixed", "prefill", "decode")
@@ -30,9 +31,10 @@ class WorkerConfig:
     num_pages: int = field(default=0, metadata={"help": "KV pages (0: sized automatically)"})
     kv_cache_dtype: str = field(default="auto", metadata={
         "help": "auto (the model's dtype) or fp8 (e4m3: half the bytes per cached token, not bit-exact)"})
-    gemv_max_tokens: int = field(default=0, metadata={
+    gemv_max_tokens: str = field(default="auto", metadata={
         "help": f"CUDA: steps of at most this many tokens (0-{GEMV_MAX_TOKENS_LIMIT}) run their matmuls on the Triton "
-                "GEMV instead of cuBLAS (0: never; 1 speeds up batch-1 decode on the H200)"})
+                "GEMV instead of cuBLAS (0: never, all on cuBLAS; auto: 1 on a single-GPU worker, which speeds up "
+                "batch-1 decode on the H200, else 0)"})
     max_num_batched_tokens: int = field(default=512, metadata={"help": "token budget of one engine step"})
     max_num_seqs: int = field(default=256, metadata={"help": "most sequences running at once"})
     max_model_len: int = field(default=0, metadata={"help": "context limit (0: the model's)"})
@@ -62,8 +64,7 @@ class WorkerConfig:
             raise ValueError(f"kv_cache_dtype must be auto or fp8, not {self.kv_cache_dtype!r}")
         if KV_CACHE_DTYPES[self.kv_cache_dtype] is not None:
             check_page_size(KV_CACHE_DTYPES[self.kv_cache_dtype], self.page_size)
-        if not 0 <= self.gemv_max_tokens <= GEMV_MAX_TOKENS_LIMIT:
-            raise ValueError(f"gemv_max_tokens must be 0 to {GEMV_MAX_TOKENS_LIMIT}, not {self.gemv_max_tokens}")
+        parse_gemv_max_tokens(self.gemv_max_tokens)
         if self.kv_transfer not in ("auto", "shm", "cuda_ipc", "stream"):
             raise ValueError(f"kv_transfer must be auto, shm, cuda_ipc or stream, not {self.kv_transfer!r}")
         if self.lease_ttl_s <= 0 or self.num_pull_threads < 1:
@@ -88,7 +89,7 @@ class WorkerConfig:
     def engine_config(self) -> EngineConfig:
         return EngineConfig(model=self.model, device=self.device, dtype=self.dtype, page_size=self.page_size,
                             num_pages=self.num_pages or None, kv_cache_dtype=self.kv_cache_dtype,
-                            gemv_max_tokens=self.gemv_max_tokens,
+                            gemv_max_tokens=parse_gemv_max_tokens(self.gemv_max_tokens),
                             max_num_batched_tokens=self.max_num_batched_tokens,
                             max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len or None,
                             enable_prefix_cache=self.enable_prefix_cache, seed=self.seed,

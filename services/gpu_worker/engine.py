@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.gpu_worker.attention import AttentionMetadata, make_backend
-from services.gpu_worker.batch_policy import BatchPolicy, ScheduledItem, StepPlan
+from services.gpu_worker.batch_policy import BatchPolicy, StepPlan
 from services.gpu_worker.block_pool import BlockPool
 from services.gpu_worker.engine_config import EngineConfig
 from services.gpu_worker.kv_cache import KVCache, select_pages
@@ -164,12 +164,13 @@ class Engine:
 
     def _setup_cuda_path(self, config: EngineConfig):
         """With the Triton backend: fused kernels in the model, and decode CUDA graphs when enabled."""
+        gemv_max_tokens = config.resolved_gemv_max_tokens(self.backend.name)
         if self.backend.name != "triton":
-            if config.gemv_max_tokens:
+            if gemv_max_tokens:
                 raise ValueError(f"gemv_max_tokens needs the Triton attention backend, not {self.backend.name}")
             return None
         self.model.enable_fused_kernels()
-        self.model.gemv_max_tokens = config.gemv_max_tokens
+        self.model.gemv_max_tokens = gemv_max_tokens
         from services.gpu_worker.kernels import pdl
 
         pdl.set_enabled(pdl.resolve(config.pdl, self.device))

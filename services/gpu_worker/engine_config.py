@@ -14,6 +14,23 @@ KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.f
 GEMV_MAX_TOKENS_LIMIT = 16  # kernels/gemv.MAX_TOKENS (this module imports no Triton)
 
 
+def check_gemv_max_tokens(value: int) -> int:
+    if not 0 <= value <= GEMV_MAX_TOKENS_LIMIT:
+        raise ValueError(f"gemv_max_tokens must be 0 to {GEMV_MAX_TOKENS_LIMIT}, not {value}")
+    return value
+
+
+def parse_gemv_max_tokens(text: str) -> int | None:
+    """A --gemv-max-tokens flag's value: "auto" → None (EngineConfig's default), else an int from 0 to the limit."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"gemv_max_tokens must be auto or 0 to {GEMV_MAX_TOKENS_LIMIT}, not {text!r}") from None
+    return check_gemv_max_tokens(value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "bundled"  # "bundled", a Hugging Face directory, or "random:<preset>"
@@ -41,9 +58,10 @@ class EngineConfig:
     # or "on" (an error where it has not). Off by default: on the H200 every setting made the step slower.
     l2_prefetch: str = "off"
     # Steps of at most this many tokens (0..16) run their projections and LM head on the Triton GEMV
-    # (kernels/gemv.py) instead of cuBLAS; Triton backend only. 0, the default: every matmul on cuBLAS. On the H200,
-    # 1 makes the batch-1 step 7 % faster; at 8 tokens the GEMV is slower than cuBLAS (docs/PERFORMANCE.md).
-    gemv_max_tokens: int = 0
+    # (kernels/gemv.py) instead of cuBLAS; Triton backend only; 0: every matmul on cuBLAS. None, the default: 1 for
+    # a single-rank Triton engine on CUDA, else 0. On the H200, 1 makes the batch-1 step 7 % faster; at 8 tokens the
+    # GEMV is slower than cuBLAS (docs/PERFORMANCE.md).
+    gemv_max_tokens: int | None = None
     seed: int = 0  # random weights' seed for random:<preset> models
     # The KV cache's dtype: "auto" (the model's dtype) or "fp8" (float8 e4m3, no scale: half the bytes per
     # token, so twice the tokens in the pool and half the KV reads of decode attention; not bit-exact to the
@@ -68,8 +86,8 @@ class EngineConfig:
                              f"not {self.kv_cache_dtype!r}")
         if self.warmup and self.tensor_parallel_size > 1:
             raise ValueError("warmup runs on a single-rank engine only (tensor-parallel ranks step in lockstep)")
-        if not 0 <= self.gemv_max_tokens <= GEMV_MAX_TOKENS_LIMIT:
-            raise ValueError(f"gemv_max_tokens must be 0 to {GEMV_MAX_TOKENS_LIMIT}, not {self.gemv_max_tokens}")
+        if self.gemv_max_tokens is not None:
+            check_gemv_max_tokens(self.gemv_max_tokens)
         for name in ("pdl", "l2_prefetch"):
             if getattr(self, name) not in ("auto", "on", "off"):
                 raise ValueError(f"{name} must be 'auto', 'on' or 'off', not {getattr(self, name)!r}")
@@ -88,6 +106,12 @@ class EngineConfig:
         if self.warmup is None:
             return backend == "triton" and self.resolved_device().startswith("cuda") and self.tensor_parallel_size == 1
         return self.warmup
+
+    def resolved_gemv_max_tokens(self, backend: str) -> int:
+        if self.gemv_max_tokens is None:
+            on = backend == "triton" and self.resolved_device().startswith("cuda") and self.tensor_parallel_size == 1
+            return 1 if on else 0
+        return self.gemv_max_tokens
 
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype == "auto":

@@ -66,27 +66,36 @@ def test_gemv_llama8b_shapes(num_tokens, n, k, parts):
     _check(num_tokens, n, k, parts, torch.bfloat16, 1e-2)
 
 
-def test_the_flag_reaches_the_engine_from_serve_and_the_worker(tmp_path):
-    """`radixserve serve --gemv-max-tokens N` passes N to each gpu_worker, whose config passes it to the engine; a
-    value past the kernel's MAX_TOKENS is refused with the flag's name."""
+def test_the_flag_reaches_the_engine_from_serve_and_the_worker(tmp_path, capsys):
+    """`radixserve serve --gemv-max-tokens N|auto` passes its value to each gpu_worker, whose config passes it to the
+    engine (auto, the default, as None: EngineConfig resolves it); a value past the kernel's MAX_TOKENS, or not a
+    number, is refused with the flag's name, by serve before it starts anything and by the worker's config."""
     import argparse
 
-    from radixserve.serve import add_serve_arguments, build_suite
+    from radixserve import serve
     from services.gpu_worker.config import WorkerConfig
     from services.gpu_worker.engine_config import GEMV_MAX_TOKENS_LIMIT
+    from shared.config import load_config
 
-    assert GEMV_MAX_TOKENS_LIMIT == g.MAX_TOKENS
+    assert GEMV_MAX_TOKENS_LIMIT == g.MAX_TOKENS == serve.GEMV_MAX_TOKENS_LIMIT
     parser = argparse.ArgumentParser()
-    add_serve_arguments(parser)
-    args = parser.parse_args(["--gemv-max-tokens", "1", "--workers", "2", "--redis-url", "redis://127.0.0.1:1"])
-    workers = [c for c in build_suite(args, tmp_path).children if c.argv[0] == "services.gpu_worker"]
-    assert len(workers) == 2
-    for child in workers:
-        assert child.argv[child.argv.index("--gemv-max-tokens") + 1] == "1"
-    assert WorkerConfig(gemv_max_tokens=1).engine_config().gemv_max_tokens == 1
-    assert WorkerConfig().engine_config().gemv_max_tokens == 0  # cuBLAS by default
-    with pytest.raises(ValueError, match="gemv_max_tokens must be 0 to 16"):
-        WorkerConfig(gemv_max_tokens=17)
+    serve.add_serve_arguments(parser)
+    for flag, passed in ([], "auto"), (["--gemv-max-tokens", "1"], "1"), (["--gemv-max-tokens", "0"], "0"):
+        args = parser.parse_args([*flag, "--workers", "2", "--redis-url", "redis://127.0.0.1:1"])
+        workers = [c for c in serve.build_suite(args, tmp_path).children if c.argv[0] == "services.gpu_worker"]
+        assert len(workers) == 2
+        for child in workers:
+            assert child.argv[child.argv.index("--gemv-max-tokens") + 1] == passed
+    for bad in ("17", "-1", "one"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--gemv-max-tokens", bad])
+        assert "--gemv-max-tokens: must be auto or 0 to 16" in capsys.readouterr().err
+    assert load_config(WorkerConfig, ["--gemv-max-tokens", "1"]).engine_config().gemv_max_tokens == 1
+    assert load_config(WorkerConfig, ["--gemv-max-tokens", "0"]).engine_config().gemv_max_tokens == 0
+    assert WorkerConfig().engine_config().gemv_max_tokens is None  # auto: 1 on a single CUDA GPU, else cuBLAS
+    for bad in ("17", "one"):
+        with pytest.raises(ValueError, match="gemv_max_tokens must be"):
+            WorkerConfig(gemv_max_tokens=bad)
 
 
 def test_tiles_as_swaps_the_table_and_restores_it_even_on_error():

@@ -112,7 +112,8 @@ def test_triton_gemv_keeps_the_greedy_tokens(num_prompts):
     loaded = load_model("random:qwen3-0.6b", dtype=torch.bfloat16, device="cuda", seed=2)
     prompts = _prompts(loaded.config.vocab_size, num_prompts, 200)
     ref = _generate("qwen3-0.6b", loaded, prompts, 32, "bfloat16", attention_backend="torch")
-    cublas = _generate("qwen3-0.6b", loaded, prompts, 32, "bfloat16", attention_backend="triton")
+    cublas = _generate("qwen3-0.6b", loaded, prompts, 32, "bfloat16", attention_backend="triton",
+                       gemv_max_tokens=0)
     for chunk in (256, 16):
         gemv = _generate("qwen3-0.6b", loaded, prompts, 32, "bfloat16", attention_backend="triton",
                          gemv_max_tokens=16, max_num_batched_tokens=chunk)
@@ -174,3 +175,19 @@ def test_gemv_max_tokens_needs_the_triton_backend():
         _generate("tiny-llama", loaded, [[1, 2]], 1, "float32", attention_backend="torch", gemv_max_tokens=1)
     with pytest.raises(ValueError, match="gemv_max_tokens"):
         EngineConfig(model="random:tiny-llama", gemv_max_tokens=17)
+
+
+def test_gemv_is_the_default_at_one_token_on_a_single_gpu_only():
+    """gemv_max_tokens None (the default) → 1 for a single-rank Triton engine on CUDA, else 0; a set value stays."""
+    assert EngineConfig(device="cuda").resolved_gemv_max_tokens("triton") == 1
+    assert EngineConfig(device="cuda:1").resolved_gemv_max_tokens("triton") == 1
+    assert EngineConfig(device="cuda").resolved_gemv_max_tokens("torch") == 0
+    assert EngineConfig(device="cpu").resolved_gemv_max_tokens("triton") == 0
+    assert EngineConfig(device="cuda", tensor_parallel_size=2).resolved_gemv_max_tokens("triton") == 0
+    assert EngineConfig(device="cuda", gemv_max_tokens=0).resolved_gemv_max_tokens("triton") == 0
+    assert EngineConfig(device="cpu", gemv_max_tokens=4).resolved_gemv_max_tokens("triton") == 4
+    loaded = load_model("random:tiny-llama", dtype=torch.float32, seed=1)
+    config = EngineConfig(model="random:tiny-llama", device=DEVICE, num_pages=64, attention_backend="triton")
+    assert Engine(config, loaded=loaded).model.gemv_max_tokens == (1 if DEVICE == "cuda" else 0)
+    torch_backend = EngineConfig(model="random:tiny-llama", device=DEVICE, num_pages=64, attention_backend="torch")
+    assert Engine(torch_backend, loaded=loaded).model.gemv_max_tokens == 0  # no error: the default is not a request

@@ -11,9 +11,9 @@ With model.l2_prefetcher set (EngineConfig.l2_prefetch, off by default: slower o
 have a side stream ask the L2 for the leading bytes of each GEMM's weight while the small kernels before that GEMM
 run (kernels/l2_prefetch.py).
 
-With model.gemv_max_tokens > 0 (EngineConfig.gemv_max_tokens, 0 by default), steps of at most that many tokens run
-their four projections and the LM head on the Triton GEMV (kernels/gemv.py) instead of cuBLAS: the same function,
-o_proj and down_proj as gemv.ROW_PARTS split-K partials for the next RMSNorm.
+With model.gemv_max_tokens > 0 (EngineConfig.gemv_max_tokens: 1 by default on one CUDA GPU), steps of at most that
+many tokens run their four projections and the LM head on the Triton GEMV (kernels/gemv.py) instead of cuBLAS: the
+same function, o_proj and down_proj as gemv.ROW_PARTS split-K partials for the next RMSNorm.
 
 Under tensor parallelism (model.tp set) the projections hold this rank's heads and MLP share, and the
 o_proj and down_proj outputs are summed over the ranks before the next RMSNorm+residual."""
