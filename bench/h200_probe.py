@@ -33,12 +33,14 @@ model/fused.py driven directly over a hand-built paged cache.
  13. (gemv_engine) each projection at 1 and 8 tokens on cuBLAS and on the Triton GEMV by tile and split count
      (bench/kernel_table.gemv_sweep), then the engine's batch-1 steps with the graph captured on cuBLAS, on the GEMV's
      committed tiles (kernels/gemv.TUNED) and on the sweep's fastest, in turn.
+ 14. (blas) each projection at 64 to 512 tokens through F.linear with torch's cuBLAS and with cuBLASLt, then W0's
+     decode steps (128 sequences) with the graphs captured under each, in turn.
 
 Phase "merge" (the decode kernel merging its own splits by an atomic ticket per sequence and KV head) ran from
 commit cfe5e49, which holds it and the kernel option; both were removed after the run
 (bench/results/h200_probe_20261203_k_merge.json).
 
-    python -m bench.h200_probe --out $OUT [--phases gemv,batch1,...,multistep,streams,tiles_engine,gemv_engine]
+    python -m bench.h200_probe --out $OUT [--phases gemv,batch1,...,multistep,streams,tiles_engine,gemv_engine,blas]
 
 Phase 1 runs with the fused decode kernel (RoPE + KV write inside the split-K kernel) and with the separate
 rope_kv_write_ and decode kernels (TritonAttention(fuse_decode=False)), in the same run.
@@ -449,6 +451,59 @@ def engine_batch1_gemv(best: dict, kv_cache_dtype: str = "auto", rounds: int = 5
             **step_summary(alternate_graphs(engine, variants, rounds, steps))}
 
 
+def blas_sweep(copy_tbs: float, tokens: tuple = (64, 128, 256, 384, 512)) -> dict:
+    """Each Llama-3.1-8B projection through F.linear (whole rows) at each token count of W0's and W1's decode steps,
+    with torch's cuBLAS and with cuBLASLt (torch.backends.cuda.preferred_blas_library), each row timed inside a graph
+    (kernel_table.Table.gemv) → {lib: rows (with TFLOP/s), "lt_over_cublas": ratio of µs by row}."""
+    from bench.kernel_table import LLAMA3_8B, MAX_CALLS, Table, gemv_shapes, graph_timer
+
+    out: dict = {}
+    try:
+        for lib in ("cublas", "cublaslt"):
+            torch.backends.cuda.preferred_blas_library(lib)
+            t = Table(LLAMA3_8B, graph_timer, MAX_CALLS, copy_tbs, "cuda", torch.bfloat16)
+            for name, n, k, _ in gemv_shapes(LLAMA3_8B):
+                for m in tokens:
+                    row = t.gemv(name, m, n, k, 1)
+                    row["tflops"] = round(2 * m * n * k / (row["us"] * 1e-6) / 1e12, 1)
+            out[lib] = t.rows
+    finally:
+        torch.backends.cuda.preferred_blas_library("cublas")
+    out["lt_over_cublas"] = {row: round(out["cublaslt"][row]["us"] / out["cublas"][row]["us"], 3)
+                             for row in out["cublas"]}
+    return out
+
+
+def engine_steps_blas(num_seqs: int = 128, rounds: int = 5, steps: int = 30) -> dict:
+    """W0's decode steps (num_seqs sequences past 512-token prompts, overlap mode) with the graphs captured under
+    torch's cuBLAS (the engine's own) and under cuBLASLt, replayed in turn: `rounds` rounds of `steps` steps each."""
+    from services.gpu_worker.cuda_graphs import DecodeGraphs
+    from services.gpu_worker.model.loader import load_model
+    from services.gpu_worker.request import SamplingParams
+
+    loaded = load_model("random:llama3-8b", dtype=torch.bfloat16, device="cuda", seed=0)
+    engine = make_engine(loaded, max_num_seqs=num_seqs, chunk=8192)
+    loaded.state_dict.clear()
+    torch.cuda.empty_cache()
+    params = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts_for(num_seqs, 512, engine.model_config.vocab_size, 0)):
+        engine.add_request(f"r{i}", prompt, params)
+    for _ in range(20):  # 8 prefill steps of 8,192 tokens, then decodes
+        engine.step()
+    variants = {"cublas": engine.graphs}
+    try:
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        variants["cublaslt"] = DecodeGraphs(engine.model, engine.kv, engine.backend, num_seqs, engine.max_seq_len)
+        variants["cublaslt"].capture()
+    finally:
+        torch.backends.cuda.preferred_blas_library("cublas")
+    step_ms = alternate_graphs(engine, variants, rounds, steps)
+    med = {k: sorted(v)[len(v) // 2] for k, v in step_ms.items()}
+    return {"num_seqs": num_seqs, "step_ms": {k: [round(x, 4) for x in v] for k, v in step_ms.items()},
+            "median_ms": {k: round(v, 4) for k, v in med.items()},
+            "over_cublas": {k: round(v / med["cublas"], 4) for k, v in med.items()}}
+
+
 def w1_mixed_steps(num_requests: int) -> dict:
     """W1's shape (1000 → 1000, 384 sequences) on one engine, four runs in turn: mixed steps sending their
     decodes to the extend kernel with the prefill chunks (the default), then to the decode kernel
@@ -814,6 +869,14 @@ def main() -> int:
         torch.cuda.empty_cache()
         for cache in args.gemv_kv_cache.split(","):
             save(f"engine_batch1_gemv_{cache}", engine_batch1_gemv(sweep["best"], cache))
+            gc.collect()
+            torch.cuda.empty_cache()
+    if "blas" in phases:  # cuBLAS against cuBLASLt at W0's and W1's token counts, then in W0's decode steps
+        for name, run in (("blas_sweep", lambda: blas_sweep(copy_tbs)), ("engine_steps_blas", engine_steps_blas)):
+            try:
+                save(name, run())
+            except Exception as exc:  # e.g. a capture cuBLASLt refuses: keep the other's figures
+                save(name, {"error": repr(exc)})
             gc.collect()
             torch.cuda.empty_cache()
     if "tiles_engine" in phases:  # the split kernel's tile at batch 1 (bench/kernel_table.py --tile-sweep)
