@@ -219,7 +219,7 @@ def pick_fp8_tile(copy_tbs: float, batch: int, context: int = 1504) -> tuple[tup
 
 
 def main() -> int:
-    from services.gpu_worker.engine_config import parse_gemv_max_tokens
+    from services.gpu_worker.gemv_option import parse_gemv_max_tokens
 
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))

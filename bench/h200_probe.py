@@ -290,18 +290,26 @@ def alternate_graphs(engine, variants: dict, rounds: int, steps: int) -> dict[st
     return step_ms
 
 
+def llama_engine(max_num_seqs: int, **engine_kwargs):
+    """An engine (gpu_suite.make_engine, 8,192-token chunks) on random:llama3-8b in bf16, the loader's copy of the
+    weights freed."""
+    from services.gpu_worker.model.loader import load_model
+
+    loaded = load_model("random:llama3-8b", dtype=torch.bfloat16, device="cuda", seed=0)
+    engine = make_engine(loaded, max_num_seqs=max_num_seqs, chunk=8192, **engine_kwargs)
+    loaded.state_dict.clear()
+    torch.cuda.empty_cache()
+    return engine
+
+
 def engine_batch1(out: Path) -> dict:
     """The engine's own batch-1 decode steps (overlap mode, one graph bucket) under the profiler: what the GPU
     runs besides the graph replay, and where it waits for the host."""
     from torch.profiler import ProfilerActivity, profile
 
-    from services.gpu_worker.model.loader import load_model
     from services.gpu_worker.request import SamplingParams
 
-    loaded = load_model("random:llama3-8b", dtype=torch.bfloat16, device="cuda", seed=0)
-    engine = make_engine(loaded, max_num_seqs=1, chunk=8192)
-    loaded.state_dict.clear()
-    torch.cuda.empty_cache()
+    engine = llama_engine(1)
     engine.add_request("p", list(range(100, 612)), SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True))
     for _ in range(60):
         engine.step()
@@ -365,14 +373,9 @@ def engine_batch1(out: Path) -> dict:
 def batch1_engine(kv_cache_dtype: str = "auto", gemv_max_tokens: int | None = None):
     """An engine of one sequence (random:llama3-8b, overlap mode) 20 steps into decoding a 512-token prompt, with
     4000 tokens to go; its matmuls as EngineConfig.gemv_max_tokens says (None: the default)."""
-    from services.gpu_worker.model.loader import load_model
     from services.gpu_worker.request import SamplingParams
 
-    loaded = load_model("random:llama3-8b", dtype=torch.bfloat16, device="cuda", seed=0)
-    engine = make_engine(loaded, max_num_seqs=1, chunk=8192, kv_cache_dtype=kv_cache_dtype,
-                         gemv_max_tokens=gemv_max_tokens)
-    loaded.state_dict.clear()
-    torch.cuda.empty_cache()
+    engine = llama_engine(1, kv_cache_dtype=kv_cache_dtype, gemv_max_tokens=gemv_max_tokens)
     engine.add_request("p", list(range(100, 612)),
                        SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True))
     for _ in range(20):
@@ -380,15 +383,17 @@ def batch1_engine(kv_cache_dtype: str = "auto", gemv_max_tokens: int | None = No
     return engine
 
 
-def step_summary(step_ms: dict[str, list[float]]) -> dict:
+def step_summary(step_ms: dict[str, list[float]], roofline_ms: float | None = 3.76) -> dict:
     """alternate_graphs' rounds by variant → each round, each variant's median, its ratio to the first variant's
-    (the baseline) and to the batch-1 roofline of 3.76 ms."""
+    (the baseline) and to roofline_ms (the batch-1 roofline by default; None: no such ratio)."""
     med = {k: sorted(v)[len(v) // 2] for k, v in step_ms.items()}
     first = next(iter(med))
-    return {"step_ms": {k: [round(x, 4) for x in v] for k, v in step_ms.items()},
-            "median_ms": {k: round(v, 4) for k, v in med.items()},
-            f"over_{first}": {k: round(v / med[first], 4) for k, v in med.items()},
-            "tpot_over_roofline": {k: round(v / 3.76, 4) for k, v in med.items()}}
+    summary = {"step_ms": {k: [round(x, 4) for x in v] for k, v in step_ms.items()},
+               "median_ms": {k: round(v, 4) for k, v in med.items()},
+               f"over_{first}": {k: round(v / med[first], 4) for k, v in med.items()}}
+    if roofline_ms:
+        summary["tpot_over_roofline"] = {k: round(v / roofline_ms, 4) for k, v in med.items()}
+    return summary
 
 
 def engine_batch1_prefetch(pcfg: l2_prefetch.PrefetchConfig, rounds: int = 5, steps: int = 60) -> dict:
@@ -478,13 +483,9 @@ def engine_steps_blas(num_seqs: int = 128, rounds: int = 5, steps: int = 30) -> 
     """W0's decode steps (num_seqs sequences past 512-token prompts, overlap mode) with the graphs captured under
     torch's cuBLAS (the engine's own) and under cuBLASLt, replayed in turn: `rounds` rounds of `steps` steps each."""
     from services.gpu_worker.cuda_graphs import DecodeGraphs
-    from services.gpu_worker.model.loader import load_model
     from services.gpu_worker.request import SamplingParams
 
-    loaded = load_model("random:llama3-8b", dtype=torch.bfloat16, device="cuda", seed=0)
-    engine = make_engine(loaded, max_num_seqs=num_seqs, chunk=8192)
-    loaded.state_dict.clear()
-    torch.cuda.empty_cache()
+    engine = llama_engine(num_seqs)
     params = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts_for(num_seqs, 512, engine.model_config.vocab_size, 0)):
         engine.add_request(f"r{i}", prompt, params)
@@ -497,11 +498,7 @@ def engine_steps_blas(num_seqs: int = 128, rounds: int = 5, steps: int = 30) -> 
         variants["cublaslt"].capture()
     finally:
         torch.backends.cuda.preferred_blas_library("cublas")
-    step_ms = alternate_graphs(engine, variants, rounds, steps)
-    med = {k: sorted(v)[len(v) // 2] for k, v in step_ms.items()}
-    return {"num_seqs": num_seqs, "step_ms": {k: [round(x, 4) for x in v] for k, v in step_ms.items()},
-            "median_ms": {k: round(v, 4) for k, v in med.items()},
-            "over_cublas": {k: round(v / med["cublas"], 4) for k, v in med.items()}}
+    return {"num_seqs": num_seqs, **step_summary(alternate_graphs(engine, variants, rounds, steps), roofline_ms=None)}
 
 
 def w1_mixed_steps(num_requests: int) -> dict:
@@ -509,12 +506,7 @@ def w1_mixed_steps(num_requests: int) -> dict:
     decodes to the extend kernel with the prefill chunks (the default), then to the decode kernel
     (TritonAttention.mixed_decodes_to_decode_kernel), twice each. Decode-only steps replay the same graphs in
     all. Same prompts, same run."""
-    from services.gpu_worker.model.loader import load_model
-
-    loaded = load_model("random:llama3-8b", dtype=torch.bfloat16, device="cuda", seed=0)
-    engine = make_engine(loaded, max_num_seqs=384, chunk=8192)
-    loaded.state_dict.clear()
-    torch.cuda.empty_cache()
+    engine = llama_engine(384)
     engine.is_overlapped = True
     prompts = prompts_for(num_requests, 1000, engine.model_config.vocab_size, 2)
     res: dict = {"num_requests": num_requests}

@@ -15,6 +15,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.gpu_worker.gemv_option import parse_gemv_max_tokens
+
 
 @dataclass
 class Child:
@@ -83,20 +85,13 @@ def _stop_redis(server: object) -> None:
     server.shutdown()
 
 
-GEMV_MAX_TOKENS_LIMIT = 16  # services/gpu_worker/engine_config.py's (serve imports no torch; a test pins the two)
-
-
 def _gemv_max_tokens(text: str) -> str:
-    """--gemv-max-tokens: "auto" or 0 to the limit, checked here so that a bad value stops serve before any worker."""
-    if text.strip().lower() == "auto":
-        return "auto"
+    """--gemv-max-tokens, checked here so that a bad value stops serve before any worker; passed on as text."""
     try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= GEMV_MAX_TOKENS_LIMIT:
-        raise argparse.ArgumentTypeError(f"must be auto or 0 to {GEMV_MAX_TOKENS_LIMIT}, not {text!r}")
-    return str(value)
+        value = parse_gemv_max_tokens(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return "auto" if value is None else str(value)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:

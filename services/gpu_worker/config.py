@@ -5,8 +5,8 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-from services.gpu_worker.engine_config import (GEMV_MAX_TOKENS_LIMIT, KV_CACHE_DTYPES, EngineConfig,
-                                               parse_gemv_max_tokens)
+from services.gpu_worker.engine_config import KV_CACHE_DTYPES, EngineConfig
+from services.gpu_worker.gemv_option import GEMV_MAX_TOKENS_LIMIT, parse_gemv_max_tokens
 from services.gpu_worker.kv_cache import check_page_size
 
 ROLES = ("mixed", "prefill", "decode")

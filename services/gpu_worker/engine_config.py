@@ -5,30 +5,13 @@ from dataclasses import dataclass
 
 import torch
 
+from services.gpu_worker.gemv_option import check_gemv_max_tokens
 from services.gpu_worker.kv_cache import KVCache
 from services.gpu_worker.model.config import ModelConfig
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
-GEMV_MAX_TOKENS_LIMIT = 16  # kernels/gemv.MAX_TOKENS (this module imports no Triton)
-
-
-def check_gemv_max_tokens(value: int) -> int:
-    if not 0 <= value <= GEMV_MAX_TOKENS_LIMIT:
-        raise ValueError(f"gemv_max_tokens must be 0 to {GEMV_MAX_TOKENS_LIMIT}, not {value}")
-    return value
-
-
-def parse_gemv_max_tokens(text: str) -> int | None:
-    """A --gemv-max-tokens flag's value: "auto" → None (EngineConfig's default), else an int from 0 to the limit."""
-    if text.strip().lower() == "auto":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"gemv_max_tokens must be auto or 0 to {GEMV_MAX_TOKENS_LIMIT}, not {text!r}") from None
-    return check_gemv_max_tokens(value)
 
 
 @dataclass(frozen=True)

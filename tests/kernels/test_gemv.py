@@ -74,10 +74,10 @@ def test_the_flag_reaches_the_engine_from_serve_and_the_worker(tmp_path, capsys)
 
     from radixserve import serve
     from services.gpu_worker.config import WorkerConfig
-    from services.gpu_worker.engine_config import GEMV_MAX_TOKENS_LIMIT
+    from services.gpu_worker.gemv_option import GEMV_MAX_TOKENS_LIMIT
     from shared.config import load_config
 
-    assert GEMV_MAX_TOKENS_LIMIT == g.MAX_TOKENS == serve.GEMV_MAX_TOKENS_LIMIT
+    assert GEMV_MAX_TOKENS_LIMIT == g.MAX_TOKENS
     parser = argparse.ArgumentParser()
     serve.add_serve_arguments(parser)
     for flag, passed in ([], "auto"), (["--gemv-max-tokens", "1"], "1"), (["--gemv-max-tokens", "0"], "0"):
@@ -89,7 +89,7 @@ def test_the_flag_reaches_the_engine_from_serve_and_the_worker(tmp_path, capsys)
     for bad in ("17", "-1", "one"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--gemv-max-tokens", bad])
-        assert "--gemv-max-tokens: must be auto or 0 to 16" in capsys.readouterr().err
+        assert f"--gemv-max-tokens: gemv_max_tokens must be auto or 0 to 16, not '{bad}'" in capsys.readouterr().err
     assert load_config(WorkerConfig, ["--gemv-max-tokens", "1"]).engine_config().gemv_max_tokens == 1
     assert load_config(WorkerConfig, ["--gemv-max-tokens", "0"]).engine_config().gemv_max_tokens == 0
     assert WorkerConfig().engine_config().gemv_max_tokens is None  # auto: 1 on a single CUDA GPU, else cuBLAS
