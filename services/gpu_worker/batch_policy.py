@@ -5,6 +5,8 @@ running decode first (one token each), then on unfinished prefill chunks, then a
 sequences, chunking long prompts so they cannot stall decodes. Pages are taken on demand as
 sequences grow, never reserved up front for max_tokens. When the pool runs dry it first evicts
 unlocked prefix-cache pages, then preempts the newest running sequence (its KV is recomputed later).
+Eviction runs in batches: a pool that runs dry frees a little more than asked (EVICT_BATCH_FRACTION of
+the pool), so a step of hundreds of growing decodes evicts once, not once per sequence.
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from services.gpu_worker.block_pool import BlockPool, OutOfPages
 from services.gpu_worker.radix_cache import RadixCache
 from services.gpu_worker.sequence import Sequence, SeqStatus
 from shared.hashing import hash_blocks
+
+EVICT_BATCH_FRACTION = 1 / 256  # of the pool's pages, freed beyond the shortfall when eviction runs
 
 
 @dataclass
@@ -61,6 +65,7 @@ class BatchPolicy:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_evict_batch_pages = int(pool.capacity * EVICT_BATCH_FRACTION)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -156,14 +161,18 @@ class BatchPolicy:
         num_needed = -(-(seq.num_computed + num_new) // self.page_size) - len(seq.page_ids)
         if num_needed <= 0:
             return True
-        short = num_needed - self.pool.num_free
-        if short > 0:
-            self.cache.evict(short)
+        self._make_room(num_needed)
         try:
             seq.page_ids.extend(self.pool.allocate(num_needed))
         except OutOfPages:
             return False
         return True
+
+    def _make_room(self, num_pages: int) -> None:
+        """Evict cached pages until num_pages are free, plus a batch more (when eviction runs at all)."""
+        short = num_pages - self.pool.num_free
+        if short > 0:
+            self.cache.evict(short + self.num_evict_batch_pages)
 
     def _admit(self, seq: Sequence, budget: int, now: float, is_first: bool,
                in_flight: set[int]) -> ScheduledItem | Deferred | None:
@@ -343,8 +352,7 @@ class BatchPolicy:
     def _allocate_quietly(self, num_pages: int) -> list[int] | None:
         if num_pages == 0:
             return []
-        if self.pool.num_free < num_pages:
-            self.cache.evict(num_pages - self.pool.num_free)
+        self._make_room(num_pages)
         try:
             return self.pool.allocate(num_pages)
         except OutOfPages:

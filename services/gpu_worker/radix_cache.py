@@ -1,4 +1,8 @@
-"""The worker's local prefix cache: a page-level radix tree over full token pages with LRU eviction."""
+"""The worker's local prefix cache: a page-level radix tree over full token pages with LRU eviction.
+
+Eviction costs O(log n) per evicted leaf, whatever the tree's size: evictable leaves sit in a heap keyed
+by last access, kept up to date as leaves appear, are touched or are unlocked (stale entries are skipped).
+"""
 from __future__ import annotations
 
 import heapq
@@ -18,7 +22,7 @@ class RadixNode:
     """One edge of the tree: one or more consecutive full pages (tokens, page ids, chained block hashes)."""
 
     __slots__ = ("node_id", "parent", "children", "token_ids", "page_ids", "block_hashes",
-                 "lock_count", "num_own_locks", "last_access", "is_detached")
+                 "lock_count", "num_own_locks", "last_access", "is_detached", "lru_stamp")
 
     def __init__(self, node_id: int, parent: RadixNode | None, token_ids: PageKey,
                  page_ids: list[int], block_hashes: list[int], last_access: float) -> None:
@@ -32,6 +36,7 @@ class RadixNode:
         self.num_own_locks = 0
         self.last_access = last_access
         self.is_detached = False
+        self.lru_stamp = -1  # the stamp of its one valid entry in the eviction heap (older ones are stale)
 
     @property
     def num_pages(self) -> int:
@@ -80,6 +85,9 @@ class RadixCache:
         self._events: list[KVEvent] = []
         self._num_cached_pages = 0
         self._num_locked_pages = 0
+        self._num_nodes = 0
+        self._lru: list[tuple[float, int, RadixNode]] = []  # (last_access, stamp, leaf); may hold stale entries
+        self._lru_stamps = itertools.count()
 
     @property
     def root(self) -> NodeHandle:
@@ -119,7 +127,7 @@ class RadixCache:
             num_common = self._num_common_pages(child, tokens, num_matched)
             if num_common < child.num_pages:
                 child = self._split(child, num_common)
-            child.last_access = now
+            self._touch(child, now)
             page_ids.extend(child.page_ids)
             num_matched += num_common
             node = child
@@ -146,7 +154,7 @@ class RadixCache:
             num_common = self._num_common_pages(child, tokens, num_done)
             if num_common < child.num_pages:
                 child = self._split(child, num_common)
-            child.last_access = now
+            self._touch(child, now)
             num_done += num_common
             node = child
         return InsertResult(node, 0)
@@ -170,24 +178,27 @@ class RadixCache:
             path_node.lock_count -= 1
             if path_node.lock_count == 0:
                 self._num_locked_pages -= path_node.num_pages
+        self._push_if_evictable(node)  # NOTE: only node can be a leaf; its ancestors have it as a child
 
     def evict(self, num_pages: int) -> int:
         """Drop unlocked leaf pages, least recently used first, tail of an edge first.
 
         Stops once num_pages pages went back to the pool's free list or nothing is evictable;
         returns how many pages went back (pages still referenced elsewhere are evicted but not counted).
+        Costs O(log n) per leaf it touches, n the number of heap entries.
         """
         num_freed = 0
-        heap = [(n.last_access, n.node_id, n) for n in self._iter_nodes() if self._is_evictable_leaf(n)]
-        heapq.heapify(heap)
-        while heap and num_freed < num_pages:
-            _, _, leaf = heapq.heappop(heap)
+        while self._lru and num_freed < num_pages:
+            _, stamp, leaf = heapq.heappop(self._lru)
+            if stamp != leaf.lru_stamp or not self._is_evictable_leaf(leaf):
+                continue  # stale: touched, locked, grown or removed since it was pushed
+            leaf.lru_stamp = -1
             key = leaf.token_ids[:self.page_size]
             num_freed += self._evict_tail(leaf, num_pages - num_freed)
             if leaf.num_pages == 0:
-                parent = self._remove_leaf(leaf, key)
-                if self._is_evictable_leaf(parent):
-                    heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
+                self._push_if_evictable(self._remove_leaf(leaf, key))
+            else:
+                self._push_if_evictable(leaf)  # partly evicted: its head stays, as old as it was
         return num_freed
 
     def clear(self) -> None:
@@ -199,11 +210,30 @@ class RadixCache:
             node.is_detached = True
         self._root.children = {}
         self._num_cached_pages = 0
+        self._num_nodes = 0
+        self._lru = []
         self._events.append(AllBlocksCleared())
 
     def _new_node(self, parent: RadixNode | None, token_ids: PageKey, page_ids: list[int],
                   block_hashes: list[int], now: float) -> RadixNode:
+        if parent is not None:
+            self._num_nodes += 1
         return RadixNode(next(self._node_ids), parent, token_ids, page_ids, block_hashes, now)
+
+    def _touch(self, node: RadixNode, now: float) -> None:
+        node.last_access = now
+        self._push_if_evictable(node)
+
+    def _push_if_evictable(self, node: RadixNode) -> None:
+        """Give an evictable leaf a fresh heap entry (its older ones go stale); compact a heap gone stale."""
+        if not self._is_evictable_leaf(node):
+            return
+        node.lru_stamp = next(self._lru_stamps)
+        heapq.heappush(self._lru, (node.last_access, node.lru_stamp, node))
+        if len(self._lru) > 2 * self._num_nodes + 64:
+            self._lru = [entry for entry in self._lru
+                         if entry[1] == entry[2].lru_stamp and self._is_evictable_leaf(entry[2])]
+            heapq.heapify(self._lru)
 
     def _full_pages(self, token_ids: Sequence[int]) -> PageKey:
         num_full_tokens = len(token_ids) // self.page_size * self.page_size
@@ -249,6 +279,7 @@ class RadixCache:
         self._num_cached_pages += len(page_ids)
         self._events.append(BlocksStored(list(block_hashes), parent.last_hash, list(edge_tokens),
                                          self.page_size))
+        self._push_if_evictable(leaf)
         return leaf
 
     def _evict_tail(self, leaf: RadixNode, num_wanted: int) -> int:
@@ -270,10 +301,11 @@ class RadixCache:
         assert parent is not None and parent.children[key] is leaf
         del parent.children[key]
         leaf.is_detached = True
+        self._num_nodes -= 1
         return parent
 
     def _is_evictable_leaf(self, node: RadixNode) -> bool:
-        return node is not self._root and not node.children and node.lock_count == 0
+        return node is not self._root and not node.children and node.lock_count == 0 and not node.is_detached
 
     def _path_to_root(self, node: RadixNode) -> Iterator[RadixNode]:
         current: RadixNode | None = node
@@ -300,6 +332,17 @@ class RadixCache:
         assert len(seen_page_ids) == self._num_cached_pages, "num_cached_pages out of date"
         assert num_locked_pages == self._num_locked_pages, "num_locked_pages out of date"
         assert self.is_enabled or not seen_page_ids, "disabled cache holds pages"
+        self._check_lru()
+
+    def _check_lru(self) -> None:
+        """Every evictable leaf has exactly one valid heap entry, carrying its current last access."""
+        nodes = list(self._iter_nodes())
+        assert len(nodes) == self._num_nodes, "num_nodes out of date"
+        valid = [(t, n) for t, stamp, n in self._lru if stamp == n.lru_stamp and self._is_evictable_leaf(n)]
+        leaves = [n for n in nodes if self._is_evictable_leaf(n)]
+        assert len(valid) == len({id(n) for _, n in valid}), "a leaf with two valid heap entries"
+        assert {id(n) for _, n in valid} == {id(n) for n in leaves}, "an evictable leaf missing from the heap"
+        assert all(t == n.last_access for t, n in valid), "a heap entry with an old last access"
 
     def _check_node(self, node: RadixNode, seen_page_ids: set[int]) -> None:
         parent = node.parent

@@ -156,6 +156,44 @@ def test_evicts_least_recently_used_first() -> None:
     check(pool, cache)
 
 
+def test_eviction_reads_a_heap_not_the_tree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """evict() pops the LRU heap: with the tree walk disabled it still evicts oldest first, so its cost per
+    page does not grow with the number of cached nodes."""
+    pool, cache = make_cache(num_pages=40)
+    for now in range(1, 9):  # eight one-page leaves, then each grown by one page (a chain, as decodes leave)
+        tokens = [100 * now + t for t in range(8)]
+        pages = pool.allocate(2)
+        cache.insert(tokens[:4], pages[:1], now=float(now))
+        cache.insert(tokens, pages, now=float(now) + 0.5)
+        pool.free(pages)
+    cache.match_prefix([100 + t for t in range(8)], now=20.0)  # the first request becomes the newest
+    cache.drain_events()
+
+    def no_walk() -> None:
+        raise AssertionError("evict walked the tree")
+    monkeypatch.setattr(cache, "_iter_nodes", no_walk)
+    assert cache.evict(3) == 3
+    second = [200 + t for t in range(8)]
+    third = [300 + t for t in range(8)]
+    assert cache.drain_events() == [BlocksRemoved(hashes(second)[1:]), BlocksRemoved(hashes(second)[:1]),
+                                    BlocksRemoved(hashes(third)[1:])]
+    monkeypatch.undo()
+    check(pool, cache)
+
+
+def test_heap_of_a_touched_leaf_stays_bounded() -> None:
+    """Each touch of an evictable leaf pushes a heap entry; stale ones are compacted away."""
+    pool, cache = make_cache()
+    pages = pool.allocate(1)
+    cache.insert(A[:4], pages, now=1.0)
+    pool.free(pages)
+    for now in range(2, 1000):
+        cache.match_prefix(A[:4], now=float(now))
+    assert len(cache._lru) <= 2 + 64
+    check(pool, cache)
+    assert cache.evict(1) == 1
+
+
 def test_evicts_tail_of_edge_first_then_parent_leaf() -> None:
     pool, cache = make_cache()
     pages = pool.allocate(3)
@@ -353,8 +391,19 @@ class RadixCacheMachine(RuleBasedStateMachine):
         self.check_evict(num_pages)
 
     def check_evict(self, num_pages: int) -> None:
+        """evict() frees what it reports, and the first leaf it cuts is a least recently used one."""
+        for event in self.cache.drain_events():
+            self.replay(event)
+        leaf_ages = {h: node.last_access for node in self.cache._iter_nodes() if self.cache._is_evictable_leaf(node)
+                     for h in node.block_hashes}
         num_free_before = self.pool.num_free
         num_freed = self.cache.evict(num_pages)
+        events = self.cache.drain_events()
+        removed = [event for event in events if isinstance(event, BlocksRemoved)]
+        if removed:
+            assert leaf_ages[removed[0].block_hashes[-1]] == min(leaf_ages.values())
+        for event in events:
+            self.replay(event)
         assert self.pool.num_free - num_free_before == num_freed
         assert num_freed <= max(num_pages, 0)
         if num_freed < num_pages:
