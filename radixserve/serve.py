@@ -113,8 +113,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CUDA: decode steps of at most N tokens (0-16) run their matmuls on the Triton GEMV "
                              "instead of cuBLAS (0: never; auto, the default: 1 with one GPU per worker, which makes "
                              "batch-1 decode about 7%% faster on the H200, else 0)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=0,
+                        help="token budget of one engine step (0: from the device: 512 on the CPU, 8192 on CUDA)")
+    parser.add_argument("--max-num-seqs", type=int, default=0,
+                        help="most sequences running at once per worker (0: from the device: 256 on the CPU; on "
+                             "CUDA as many as the KV pool holds at 2048 tokens each, 16-1024)")
     parser.add_argument("--no-prefix-cache", action="store_true", help="turn the radix prefix cache off")
     parser.add_argument("--routing", default="cache_aware", choices=["cache_aware", "least_load", "round_robin"],
                         help="how the scheduler picks a worker for each request")

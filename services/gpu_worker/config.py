@@ -35,8 +35,11 @@ class WorkerConfig:
         "help": f"CUDA: steps of at most this many tokens (0-{GEMV_MAX_TOKENS_LIMIT}) run their matmuls on the Triton "
                 "GEMV instead of cuBLAS (0: never, all on cuBLAS; auto: 1 on a single-GPU worker, which speeds up "
                 "batch-1 decode on the H200, else 0)"})
-    max_num_batched_tokens: int = field(default=512, metadata={"help": "token budget of one engine step"})
-    max_num_seqs: int = field(default=256, metadata={"help": "most sequences running at once"})
+    max_num_batched_tokens: int = field(default=0, metadata={
+        "help": "token budget of one engine step (0: from the device: 512 on the CPU, 8192 on CUDA)"})
+    max_num_seqs: int = field(default=0, metadata={
+        "help": "most sequences running at once (0: from the device: 256 on the CPU; on CUDA as many as the KV "
+                "pool holds at 2048 tokens each, 16-1024)"})
     max_model_len: int = field(default=0, metadata={"help": "context limit (0: the model's)"})
     enable_prefix_cache: bool = field(default=True, metadata={"help": "keep the radix prefix cache on"})
     tensor_parallel_size: int = field(default=1, metadata={
@@ -90,7 +93,7 @@ class WorkerConfig:
         return EngineConfig(model=self.model, device=self.device, dtype=self.dtype, page_size=self.page_size,
                             num_pages=self.num_pages or None, kv_cache_dtype=self.kv_cache_dtype,
                             gemv_max_tokens=parse_gemv_max_tokens(self.gemv_max_tokens),
-                            max_num_batched_tokens=self.max_num_batched_tokens,
-                            max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len or None,
+                            max_num_batched_tokens=self.max_num_batched_tokens or None,
+                            max_num_seqs=self.max_num_seqs or None, max_model_len=self.max_model_len or None,
                             enable_prefix_cache=self.enable_prefix_cache, seed=self.seed,
                             tensor_parallel_size=self.tensor_parallel_size)

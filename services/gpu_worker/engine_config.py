@@ -13,6 +13,23 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
+# Batching limits when the config leaves them to the device (None). A CPU steps slowly: small steps keep its
+# tokens flowing. A GPU's step costs about the same from 1 to thousands of prefill tokens (the weights are read
+# once either way), so it takes big chunks, and as many sequences as its KV pool holds at full length.
+CPU_MAX_NUM_BATCHED_TOKENS = 512
+CPU_MAX_NUM_SEQS = 256
+CUDA_MAX_NUM_BATCHED_TOKENS = 8192
+AUTO_TOKENS_PER_SEQ = 2048  # CUDA: room for this many tokens per running sequence before any is preempted
+AUTO_NUM_SEQS_MULTIPLE = 16
+MIN_AUTO_NUM_SEQS, MAX_AUTO_NUM_SEQS = 16, 1024
+
+
+@dataclass(frozen=True)
+class BatchingLimits:
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    reason: str  # how they were chosen, for the start-up log
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -23,8 +40,11 @@ class EngineConfig:
     num_pages: int | None = None  # None: sized from kv_cache_bytes (cpu) or free memory (cuda)
     kv_cache_bytes: int = 2 << 30  # cpu KV budget when num_pages is None
     gpu_memory_utilization: float = 0.90
-    max_num_batched_tokens: int = 512  # token budget of one step (chunked-prefill size)
-    max_num_seqs: int = 256
+    # Token budget of one step (the chunked-prefill size) and most sequences running at once. None: chosen from
+    # the device (resolved_batching): 512 and 256 on the CPU; on CUDA 8192, and the sequences that fit in the KV
+    # pool at AUTO_TOKENS_PER_SEQ tokens each (16 to 1024).
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
     max_model_len: int | None = None
     enable_prefix_cache: bool = True
     enable_chunked_prefill: bool = True
@@ -71,6 +91,8 @@ class EngineConfig:
             raise ValueError("warmup runs on a single-rank engine only (tensor-parallel ranks step in lockstep)")
         if self.gemv_max_tokens is not None:
             check_gemv_max_tokens(self.gemv_max_tokens)
+        if any(v is not None and v < 1 for v in (self.max_num_batched_tokens, self.max_num_seqs)):
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1 (or None: from the device)")
         for name in ("pdl", "l2_prefetch"):
             if getattr(self, name) not in ("auto", "on", "off"):
                 raise ValueError(f"{name} must be 'auto', 'on' or 'off', not {getattr(self, name)!r}")
@@ -105,6 +127,26 @@ class EngineConfig:
 
     def resolved_kv_dtype(self) -> torch.dtype:
         return self.resolved_dtype() if self.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[self.kv_cache_dtype]
+
+    def resolved_batching(self, num_pages: int) -> BatchingLimits:
+        """max_num_batched_tokens and max_num_seqs: as set, or chosen for the device and a pool of num_pages."""
+        is_cuda = self.resolved_device().startswith("cuda")
+        reasons = []
+        num_tokens = self.max_num_batched_tokens
+        if num_tokens is None:
+            num_tokens = CUDA_MAX_NUM_BATCHED_TOKENS if is_cuda else CPU_MAX_NUM_BATCHED_TOKENS
+            reasons.append(f"max_num_batched_tokens {num_tokens}: the {'CUDA' if is_cuda else 'CPU'} default")
+        num_seqs = self.max_num_seqs
+        if num_seqs is None and not is_cuda:
+            num_seqs = CPU_MAX_NUM_SEQS
+            reasons.append(f"max_num_seqs {num_seqs}: the CPU default")
+        elif num_seqs is None:
+            pool_tokens = (num_pages - 1) * self.page_size
+            fit = pool_tokens // AUTO_TOKENS_PER_SEQ // AUTO_NUM_SEQS_MULTIPLE * AUTO_NUM_SEQS_MULTIPLE
+            num_seqs = min(max(fit, MIN_AUTO_NUM_SEQS), MAX_AUTO_NUM_SEQS)
+            reasons.append(f"max_num_seqs {num_seqs}: a KV pool of {pool_tokens} tokens holds {fit} sequences of "
+                           f"{AUTO_TOKENS_PER_SEQ} tokens (kept within {MIN_AUTO_NUM_SEQS}-{MAX_AUTO_NUM_SEQS})")
+        return BatchingLimits(num_tokens, num_seqs, "; ".join(reasons) or "both set by the config")
 
     def resolved_num_pages(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
         """Pages in the pool (page 0 included), at least enough for one full-length sequence on cpu.

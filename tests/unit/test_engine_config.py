@@ -1,0 +1,46 @@
+"""EngineConfig's device defaults: batching limits chosen from the device and the KV pool when unset."""
+from __future__ import annotations
+
+import pytest
+
+from radixserve.cli import build_parser
+from services.gpu_worker.config import WorkerConfig
+from services.gpu_worker.engine_config import BatchingLimits, EngineConfig
+
+
+def test_cpu_keeps_small_steps() -> None:
+    limits = EngineConfig(device="cpu").resolved_batching(num_pages=100_000)
+    assert (limits.max_num_batched_tokens, limits.max_num_seqs) == (512, 256)
+    assert "CPU default" in limits.reason
+
+
+@pytest.mark.parametrize(("num_pages", "expected_seqs"), [
+    (54_000, 416),  # an H200's bf16 pool for Llama-3.1-8B: 863,984 tokens hold 421 sequences of 2048 tokens
+    (108_000, 832),  # the same pool in FP8: twice the tokens
+    (1_000_000, 1024),  # capped
+    (100, 16),  # floored: a tiny pool still batches
+])
+def test_cuda_sizes_sequences_from_the_pool(num_pages: int, expected_seqs: int) -> None:
+    limits = EngineConfig(device="cuda").resolved_batching(num_pages)
+    assert (limits.max_num_batched_tokens, limits.max_num_seqs) == (8192, expected_seqs)
+    assert f"max_num_seqs {expected_seqs}" in limits.reason and "8192" in limits.reason
+
+
+def test_set_values_win_on_any_device() -> None:
+    config = EngineConfig(device="cuda", max_num_batched_tokens=1024, max_num_seqs=64)
+    assert config.resolved_batching(54_000) == BatchingLimits(1024, 64, "both set by the config")
+
+
+def test_zero_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        EngineConfig(max_num_seqs=0)
+
+
+def test_serve_and_the_worker_leave_the_limits_to_the_device() -> None:
+    args = build_parser().parse_args(["serve"])
+    assert (args.max_num_batched_tokens, args.max_num_seqs) == (0, 0)
+    engine_config = WorkerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
+                                 max_num_seqs=args.max_num_seqs).engine_config()
+    assert (engine_config.max_num_batched_tokens, engine_config.max_num_seqs) == (None, None)
+    set_config = WorkerConfig(max_num_batched_tokens=2048, max_num_seqs=32).engine_config()
+    assert (set_config.max_num_batched_tokens, set_config.max_num_seqs) == (2048, 32)
