@@ -133,8 +133,9 @@ class Engine:
             cache_cls = LockstepRadixCache
         self.cache = cache_cls(self.pool, config.page_size, loaded.config.model_id,
                                is_enabled=config.enable_prefix_cache)
-        self.policy = BatchPolicy(self.pool, self.cache, config.page_size, config.max_num_batched_tokens,
-                                  config.max_num_seqs, config.enable_chunked_prefill)
+        self.batching = config.resolved_batching(self.num_pages)
+        self.policy = BatchPolicy(self.pool, self.cache, config.page_size, self.batching.max_num_batched_tokens,
+                                  self.batching.max_num_seqs, config.enable_chunked_prefill)
         self.backend = make_backend(config.attention_backend, self.device.type)
         # positions and slots of eager steps: int32 for the Triton kernels, as in the CUDA graphs' buffers, so a mixed
         # step's decodes reuse the graphs' compiles; torch's index_copy_ (the torch backend) takes int64 only
@@ -182,7 +183,7 @@ class Engine:
             return None
         from services.gpu_worker.cuda_graphs import DecodeGraphs
 
-        graphs = DecodeGraphs(self.model, self.kv, self.backend, config.max_num_seqs, self.max_seq_len,
+        graphs = DecodeGraphs(self.model, self.kv, self.backend, self.batching.max_num_seqs, self.max_seq_len,
                               staging=config.cuda_graph_staging)
         graphs.capture()
         return graphs
@@ -195,7 +196,7 @@ class Engine:
         start = time.perf_counter()
         if self.max_seq_len < 16:  # a pool too small for the made-up requests
             return 0.0
-        longest = min(64, self.config.max_num_batched_tokens, self.max_seq_len - 8)
+        longest = min(64, self.batching.max_num_batched_tokens, self.max_seq_len - 8)
         vocab = self.model_config.vocab_size
         prompts = [[1 + (7 * i + j) % (vocab - 1) for j in range(n)]
                    for i, n in enumerate((longest, min(5, longest), longest // 2 + 1))]
