@@ -215,6 +215,7 @@ class WorkerLoad(msgspec.Struct, frozen=True):
     num_total_pages: int
     num_cached_pages: int = 0  # pages the radix cache holds (idle worker: used pages == cached pages)
     num_leased_pages: int = 0  # prefill role: prompt pages held for decode workers to pull
+    max_num_seqs: int = 0  # most sequences the worker runs at once (0: not reported, an older worker)
 
 
 class WorkerHeartbeat(msgspec.Struct, frozen=True, tag=True):

@@ -19,8 +19,13 @@ class GatewayConfig:
     model_id: str = field(default="", metadata=_help("served model id; empty: learned from the scheduler"))
     api_keys: str = field(default="", metadata=_help("comma-separated accepted Bearer keys; empty: no auth"))
     max_body_bytes: int = field(default=4 << 20, metadata=_help("largest accepted request body"))
-    request_timeout_s: float = field(default=600.0, metadata=_help("end-to-end limit of one request"))
-    max_concurrent_requests: int = field(default=1024, metadata=_help("generations in flight; beyond → 429"))
+    request_timeout_s: float = field(
+        default=0.0, metadata=_help("end-to-end limit of one request, queueing included: past it, 504 (0, the "
+                                    "default: none; a request then ends when it finishes, its client goes away or "
+                                    "the scheduler's queue refuses it)"))
+    max_concurrent_requests: int = field(
+        default=16384, metadata=_help("generations in flight here; beyond → 429 with Retry-After. A memory guard, "
+                                      "not a queue: the scheduler queues; the default admits a burst of 16,000"))
     default_chat_max_tokens: int = field(default=1024, metadata=_help("chat max_tokens when the body has none"))
     drain_timeout_s: float = field(default=30.0, metadata=_help("on SIGTERM, seconds in-flight requests may take "
                                                                 "to finish (new ones get 503) before the gateway "

@@ -45,8 +45,8 @@ class _Call:
     request_id: str
     queue: asyncio.Queue[GenerateChunk | GenerateError]
     output: RequestOutput
-    deadline: float
-    timeout_s: float
+    deadline: float  # math.inf: none
+    timeout_s: float  # 0: none
     is_sent: bool = False
     has_failed: bool = False
 
@@ -59,7 +59,7 @@ class _Call:
         while True:
             remaining_s = self.deadline - asyncio.get_running_loop().time()
             try:
-                msg = await asyncio.wait_for(self.queue.get(), max(remaining_s, 0.0))
+                msg = await asyncio.wait_for(self.queue.get(), max(remaining_s, 0.0) if self.timeout_s else None)
             except TimeoutError:
                 raise ApiError(504, f"The request timed out after {self.timeout_s:g} s.", type="server_error",
                                code="timeout") from None
@@ -241,7 +241,8 @@ class Gateway(Actor):
                            code="invalid_body") from None
         body = parse_json_body(raw)
         model_ids = await self._model_ids(allow_empty=False)
-        deadline_s = time.time() + self.config.request_timeout_s
+        timeout_s = self.config.request_timeout_s
+        deadline_s = time.time() + timeout_s if timeout_s else None
         if is_chat:
             return parse_chat_request(body, request_id=f"chatcmpl-{uuid.uuid4().hex}", model_ids=model_ids,
                                       default_max_tokens=self.config.default_chat_max_tokens, deadline_s=deadline_s)
@@ -249,9 +250,9 @@ class Gateway(Actor):
                                         deadline_s=deadline_s)
 
     async def _serve(self, request: web.Request, parsed: ParsedRequest, started: float) -> web.StreamResponse:
+        timeout_s = self.config.request_timeout_s
         call = _Call(parsed.request_id, asyncio.Queue(), RequestOutput(parsed.generate.sampling.n),
-                     asyncio.get_running_loop().time() + self.config.request_timeout_s,
-                     self.config.request_timeout_s)
+                     asyncio.get_running_loop().time() + timeout_s if timeout_s else math.inf, timeout_s)
         self._calls[call.request_id] = call
         reason = "client_disconnected"
         try:

@@ -127,7 +127,8 @@ def engine_load(engine: Engine, num_leased_pages: int = 0) -> WorkerLoad:
     num_queued += sum(s.num_uncomputed for s in engine.policy.running if s.num_uncomputed > 1)
     return WorkerLoad(num_running=stats.num_running, num_waiting=stats.num_waiting, num_queued_tokens=num_queued,
                       num_free_pages=stats.num_free_pages, num_total_pages=stats.num_total_pages,
-                      num_cached_pages=stats.num_cached_pages, num_leased_pages=num_leased_pages)
+                      num_cached_pages=stats.num_cached_pages, num_leased_pages=num_leased_pages,
+                      max_num_seqs=engine.policy.max_num_seqs)
 
 
 class EngineLoop:

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 from services.scheduler.pairing import PD_POLICIES
 from services.scheduler.policy import POLICIES, CostWeights
 
+AUTO_REQUESTS_PER_SEQ = 2  # auto per-worker limit: the worker's running batch and one more wave in its own queue
+FALLBACK_REQUESTS_PER_WORKER = 512  # auto, for a worker that reports no max_num_seqs (an older worker)
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -16,12 +19,23 @@ class SchedulerConfig:
     redis_url: str = field(default="", metadata={"help": "Redis of the global prefix index (empty: no lookups)"})
     cache_index_addr: str = field(default="",
                                   metadata={"help": "cache_index PULL address told of dead workers (empty: none)"})
-    max_queue: int = field(default=1024, metadata={"help": "requests held while no worker can take one (beyond: 429)"})
-    max_queue_wait_s: float = field(default=30.0,
-                                    metadata={"help": "longest a request waits for a worker (then 503)"})
+    max_queue: int = field(
+        default=16384, metadata={"help": "requests held while no worker can take one (beyond: 429 with Retry-After). "
+                                         "A queued request waits until a worker takes it, its client goes away or "
+                                         "its own deadline passes (504); the default admits a burst of 16,000 "
+                                         "requests, max_queued_tokens permitting"})
+    max_queued_tokens: int = field(
+        default=1 << 24, metadata={"help": "prompt tokens held by the queue (beyond: 429 with Retry-After). The "
+                                           "queue's memory bound: a queued token costs ~40 bytes here (Python ints), "
+                                           "so the default 16M (16384 prompts of 1024 tokens) is at most ~0.7 GB"})
+    max_queue_wait_s: float = field(
+        default=0.0, metadata={"help": "longest a request waits in the queue before it fails with 503 (0, the "
+                                       "default: no limit; for operators who prefer failing fast to waiting)"})
     max_requests_per_worker: int = field(
-        default=512, metadata={"help": "requests in flight on one worker; beyond, requests wait in the queue (0: no "
-                                       "limit)"})
+        default=0, metadata={"help": "requests in flight on one worker; beyond, requests wait in the queue. 0 "
+                                     "(auto): 2 × the max_num_seqs the worker reports (its running batch plus a "
+                                     f"second wave ready in its own queue; {FALLBACK_REQUESTS_PER_WORKER} if it "
+                                     "reports none); a positive value is a fixed limit"})
     heartbeat_timeout_s: float = field(default=3.0,
                                        metadata={"help": "a worker silent this long is dead (its requests get 503)"})
     abort_memory_s: float = field(
@@ -55,10 +69,12 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.routing not in POLICIES:
             raise ValueError(f"routing must be one of {', '.join(POLICIES)}, not {self.routing!r}")
-        if self.max_queue < 0 or self.max_requests_per_worker < 0:
-            raise ValueError("max_queue and max_requests_per_worker must be >= 0")
-        if min(self.heartbeat_timeout_s, self.max_queue_wait_s, self.redis_timeout_s, self.redis_retry_s) <= 0:
-            raise ValueError("heartbeat_timeout_s, max_queue_wait_s, redis_timeout_s, redis_retry_s must be > 0")
+        if min(self.max_queue, self.max_queued_tokens, self.max_requests_per_worker) < 0:
+            raise ValueError("max_queue, max_queued_tokens and max_requests_per_worker must be >= 0")
+        if min(self.heartbeat_timeout_s, self.redis_timeout_s, self.redis_retry_s) <= 0:
+            raise ValueError("heartbeat_timeout_s, redis_timeout_s, redis_retry_s must be > 0")
+        if self.max_queue_wait_s < 0:
+            raise ValueError("max_queue_wait_s must be >= 0 (0: no limit)")
         if self.pd_policy not in PD_POLICIES:
             raise ValueError(f"pd_policy must be one of {', '.join(PD_POLICIES)}, not {self.pd_policy!r}")
         if self.pd_min_prefill_tokens < 0:
@@ -69,6 +85,12 @@ class SchedulerConfig:
             raise ValueError("route_request_tokens, route_kv_tokens, pending_ttl_s and abort_memory_s must be >= 0")
         if not 0 <= self.metrics_port < 65536:
             raise ValueError("metrics_port must be 0 (off) or a TCP port")
+
+    def requests_per_worker(self, max_num_seqs: int) -> int:
+        """The in-flight limit of a worker that reports max_num_seqs (0: reports none)."""
+        if self.max_requests_per_worker:
+            return self.max_requests_per_worker
+        return AUTO_REQUESTS_PER_SEQ * max_num_seqs if max_num_seqs > 0 else FALLBACK_REQUESTS_PER_WORKER
 
     @property
     def cost_weights(self) -> CostWeights:

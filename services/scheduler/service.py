@@ -22,7 +22,7 @@ from services.scheduler.pending import PendingPrefixes, merge_prefixes
 from services.scheduler.pairing import LOCAL_ROLES, Pairing, make_pairing
 from services.scheduler.policy import Candidate, Reason, RouteRequest, make_policy
 from services.scheduler.registry import HeartbeatKind, Registry
-from services.scheduler.waiting_queue import WaitingQueue
+from services.scheduler.waiting_queue import WaitingQueue, queue_deadline_s
 from shared import redis_index, transport
 from shared.actor import Actor
 from shared.messages import (AbortRequest, AdoptRequest, GenerateError, HandoffAccepted, PrefillRequest,
@@ -48,7 +48,7 @@ class SchedulerService(Actor):
         self.recent_aborts = RecentIds(config.abort_memory_s)  # aborted while unknown here
         self.recent_finishes = RecentIds(config.abort_memory_s)  # finished on their worker while unknown here
         self._unconfirmed: dict[str, float] = {}  # adopted requests on workers not heard of yet → give-up time
-        self.queue = WaitingQueue(config.max_queue)
+        self.queue = WaitingQueue(config.max_queue, config.max_queued_tokens)
         self.policy = make_policy(config.routing, config.heartbeat_timeout_s, config.cost_weights, LOCAL_ROLES)
         self.pairing = make_pairing(config.pd_policy, self.policy, config.heartbeat_timeout_s, config.cost_weights,
                                     config.pd_min_prefill_tokens)
@@ -132,9 +132,8 @@ class SchedulerService(Actor):
             cached = merge_prefixes(cached, self.pending.longest_prefix(request.block_hashes, now_s))
         route = RouteRequest(request.request_id, len(request.prompt_token_ids), len(request.block_hashes),
                              now_s, model_id=request.model_id or None, num_cached_blocks=cached or {})
-        limit = self.config.max_requests_per_worker
         candidates = [Candidate(w, self.inflight.count(w.worker_id)) for w in self.registry.workers()
-                      if not limit or self.inflight.count(w.worker_id) < limit]  # full workers: queue instead
+                      if self.inflight.count(w.worker_id) < self.config.requests_per_worker(w.load.max_num_seqs)]
         pairing = self.pairing.choose(candidates, route, request.sampling.n)
         if pairing is not None and cached is None:
             pairing = dataclasses.replace(pairing, decode=dataclasses.replace(pairing.decode, reason=Reason.FALLBACK))
@@ -171,9 +170,7 @@ class SchedulerService(Actor):
         return cached
 
     async def _enqueue(self, request: TokenizedRequest) -> None:
-        deadline_s = time.time() + self.config.max_queue_wait_s
-        if request.deadline_s is not None:
-            deadline_s = min(deadline_s, request.deadline_s)
+        deadline_s = queue_deadline_s(time.time(), self.config.max_queue_wait_s, request.deadline_s)
         if not self.queue.push(request, deadline_s):
             await self._fail(request.request_id, request.reply_addr, 429, "scheduler queue is full",
                              code="rate_limit_error", retry_after_s=QUEUE_FULL_RETRY_AFTER_S)

@@ -17,7 +17,9 @@ class TokenizerConfig:
                                  metadata={"help": "comma-separated scheduler ROUTER addresses"})
     page_size: int = field(default=16, metadata={"help": "tokens per KV page (block hash granularity)"})
     max_prompt_tokens: int = field(default=8192, metadata={"help": "longer prompts are refused with 400"})
-    max_requests: int = field(default=4096, metadata={"help": "requests in flight here; beyond, 429"})
+    max_requests: int = field(
+        default=16384, metadata={"help": "requests in flight here; beyond, 429 with Retry-After. A memory guard, not "
+                                         "a queue (the scheduler queues): the default admits a burst of 16,000"})
     scheduler_ping_interval_s: float = field(default=0.25,
                                              metadata={"help": "seconds between liveness pings to each scheduler"})
     scheduler_timeout_s: float = field(

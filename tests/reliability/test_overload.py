@@ -1,22 +1,28 @@
-"""Bounded queues past the gateway: the scheduler holds at most max_queue requests (beyond: 429), gives each
-worker at most max_requests_per_worker (the rest wait in that queue), drops a queued request at its deadline
-(504) or after max_queue_wait_s (503); a tokenizer holds at most max_requests (beyond: 429). Real processes
-over ipc://, fake peers. (The gateway's own 429 and 504: tests/reliability/test_faults.py.)"""
+"""Bounded queues past the gateway: the scheduler holds at most max_queue requests and max_queued_tokens prompt
+tokens (beyond: 429 + Retry-After), gives each worker at most max_requests_per_worker (auto: 2 × the worker's
+max_num_seqs; the rest wait in that queue for as long as it takes by default), drops a queued request at its
+deadline (504), when its client goes away, or after max_queue_wait_s when an operator sets one (503); a
+tokenizer holds at most max_requests (beyond: 429). Real processes over ipc://, fake peers. (The gateway's own
+429 and 504: tests/reliability/test_faults.py.)"""
 from __future__ import annotations
 
+import json
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import requests
 import zmq
 
 from shared.messages import (AbortRequest, GenerateError, GenerateRequest, RequestFinished, SamplingSpec,
                              SchedulerInbound, TokenizedRequest, TokenizerStreamInbound, WorkerHeartbeat,
                              WorkerInbound, WorkerLoad, decode, encode)
-from tests.reliability.cluster import Service, scheduler_status, wait_until
+from tests.reliability.cluster import (MODEL, Service, completion, free_port, http_status, scheduler_status,
+                                       wait_until)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
@@ -157,3 +163,56 @@ def test_tokenizer_holds_at_most_max_requests(rig: Rig, tmp_path: Path) -> None:
         assert is_quiet(gateway)
     finally:
         assert service.stop() == 0
+
+
+def open_stream(port: int, body: dict) -> socket.socket:
+    """A raw HTTP client that sent a request and reads nothing: closing it is a client going away."""
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(data) + data)
+    return sock
+
+
+def test_a_burst_queues_behind_the_workers_seats_until_the_client_leaves_or_the_tokens_run_out(
+        rig: Rig, tmp_path: Path) -> None:
+    """gateway, tokenizer and scheduler with their defaults (but a queue of 50 prompt tokens), one fake worker
+    that reports max_num_seqs 1 and never finishes on its own."""
+    scheduler = start_scheduler(rig, tmp_path, "--max-queued-tokens", "50")
+    port = free_port()
+    services = [scheduler, Service("tokenizer", [
+        "services.tokenizer", "--model", MODEL, "--tokenizer-addr", rig.addr("tokenizer"), "--stream-addr",
+        rig.addr("stream"), "--scheduler-addrs", rig.addr("scheduler")], tmp_path).start(),
+        Service("gateway", ["services.gateway", "--host", "127.0.0.1", "--port", str(port), "--tokenizer-addrs",
+                            rig.addr("tokenizer"), "--scheduler-addrs", rig.addr("scheduler")], tmp_path).start()]
+    clients: list[socket.socket] = []
+    try:
+        worker = rig.dealer(rig.addr("scheduler"), identity=b"w")
+        worker.send(encode(WorkerHeartbeat("w", "i", rig.addr("worker"), MODEL, "mixed", 16,
+                                           WorkerLoad(0, 0, 0, 9, 9, max_num_seqs=1))))
+        wait_until(lambda: http_status(f"http://127.0.0.1:{port}/health") == 200, 40, 0.2)
+        body = completion(MODEL, list(range(1, 21)), 8, stream=True)  # 20 prompt tokens
+        for _ in range(2):
+            clients.append(open_stream(port, body))
+        seated = [take(rig.worker, WorkerInbound, 20) for _ in range(2)]  # auto limit: 2 × max_num_seqs
+        assert [r.deadline_s for r in seated] == [None, None]  # no gateway timeout by default
+        for num_queued in (1, 2):  # 40 prompt tokens queued
+            clients.append(open_stream(port, body))
+            wait_until(lambda: scheduler_status(rig.addr("scheduler")).num_queued == num_queued, 20)
+        refused = requests.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=20)
+        assert (refused.status_code, refused.headers["Retry-After"]) == (429, "1")  # 60 tokens > 50
+        assert refused.json()["error"]["message"] == "scheduler queue is full"
+        assert is_quiet(rig.worker)
+        clients.pop(2).close()  # a queued request's client goes away: the gateway's abort reaches the queue
+        wait_until(lambda: scheduler_status(rig.addr("scheduler")).num_queued == 1, 20)
+        worker.send(encode(RequestFinished(seated[0].request_id, "w")))  # a seat frees: the last one goes
+        assert take(rig.worker, WorkerInbound).request_id not in {r.request_id for r in seated}
+        status = scheduler_status(rig.addr("scheduler"))
+        assert (status.num_queued, status.num_in_flight) == (0, 2)
+        for client in clients:
+            client.close()
+        wait_until(lambda: scheduler_status(rig.addr("scheduler")).num_in_flight == 0, 20)
+    finally:
+        for client in clients:
+            client.close()
+        assert [service.stop() for service in reversed(services)] == [0, 0, 0]

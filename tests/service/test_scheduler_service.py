@@ -310,6 +310,45 @@ def test_a_queued_request_past_its_deadline_gets_504(rig: Rig) -> None:
     assert rig.status().num_queued == 0
 
 
+def test_a_worker_gets_twice_its_max_num_seqs_and_the_rest_wait_for_a_seat_without_a_time_limit() -> None:
+    """Defaults but a queue of 8 (start_rig's is 2): no wait limit, per-worker limit auto = 2 × max_num_seqs."""
+    for rig in start_rig("--max-queue", "8", *PATIENT):
+        a = rig.worker("a")
+        a.heartbeat(WorkerLoad(0, 0, 0, 100, 100, max_num_seqs=2))
+        rig.wait_status(lambda s: s.num_workers == 1)
+        for i in range(7):
+            rig.request(f"r{i}")
+        assert a.received_ids() == [("TokenizedRequest", f"r{i}") for i in range(4)]  # exactly 2 × 2 in flight
+        assert rig.status() == StatusReply(["m"], 1, 3, 4)
+        time.sleep(2 * HEARTBEAT_TIMEOUT_S)  # longer than a short wait limit would allow: nothing expires
+        assert rig.errors.take_all(settle_s=0.05) == []
+        assert rig.status() == StatusReply(["m"], 1, 3, 4)
+        a.finished("r0")  # a seat frees: the oldest queued request goes
+        assert a.received_ids() == [("TokenizedRequest", "r4")]
+        rig.abort("r6")  # its client went away while it was queued
+        a.heartbeat(WorkerLoad(0, 0, 0, 100, 100, max_num_seqs=3))  # the worker now reports 3: 6 seats
+        assert a.received_ids() == [("TokenizedRequest", "r5")]
+        assert rig.status() == StatusReply(["m"], 1, 0, 5)
+        assert rig.errors.take_all(settle_s=0.05) == []
+
+
+def test_a_queue_full_of_prompt_tokens_refuses_with_429_and_retry_after() -> None:
+    for rig in start_rig("--max-queue", "8", "--max-queued-tokens", "64"):
+        rig.request("r0")  # 32 prompt tokens each; no worker yet: they queue
+        rig.request("r1")
+        rig.request("r2")  # 96 tokens > 64, though the queue holds only 2 of its 8 requests
+        assert rig.errors.take() == GenerateError("r2", 429, "rate_limit_error", "scheduler queue is full",
+                                                  retry_after_s=1.0)
+        assert rig.status().num_queued == 2
+        rig.abort("r0")
+        rig.request("r3")  # the aborted request's tokens are free again
+        rig.wait_status(lambda s: s.num_queued == 2)
+        assert rig.errors.take_all(settle_s=0.05) == []
+        a = rig.worker("a")
+        a.heartbeat()
+        assert a.received_ids() == [("TokenizedRequest", "r1"), ("TokenizedRequest", "r3")]
+
+
 def test_a_silent_worker_has_its_requests_failed_with_503(rig: Rig) -> None:
     a, b = rig.worker("a"), rig.worker("b")
     a.heartbeat()

@@ -2,14 +2,18 @@
 event sequencer): exact decisions, with hypothesis driving random sequences against simple models."""
 from __future__ import annotations
 
+import math
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.cache_index.sequencer import Action, Sequencer
+from services.scheduler.config import SchedulerConfig
 from services.scheduler.inflight import InFlight, InFlightTable
 from services.scheduler.policy import Candidate, LeastLoadPolicy, Reason, RouteRequest, make_policy
 from services.scheduler.registry import HeartbeatKind, Registry, WorkerInfo
-from services.scheduler.waiting_queue import WaitingQueue
+from services.scheduler.waiting_queue import WaitingQueue, queue_deadline_s
 from shared.messages import (AllBlocksCleared, BlocksRemoved, BlocksStored, CacheSnapshot, KVEvent, KVEventBatch,
                              SamplingSpec, TokenizedRequest, WorkerHeartbeat, WorkerLoad)
 
@@ -165,7 +169,7 @@ def test_inflight_matches_a_dict_model(ops: list[tuple[str, str, str]]) -> None:
 # --- waiting queue ----------------------------------------------------------------------------------------
 
 def test_waiting_queue_is_bounded_fifo_with_deadlines() -> None:
-    queue = WaitingQueue(max_size=2)
+    queue = WaitingQueue(max_size=2, max_tokens=100)
     assert queue.push(tokenized("r1"), deadline_s=10.0) and queue.push(tokenized("r2"), deadline_s=5.0)
     assert not queue.push(tokenized("r3"), deadline_s=10.0)
     assert len(queue) == 2 and "r3" not in queue
@@ -177,6 +181,105 @@ def test_waiting_queue_is_bounded_fifo_with_deadlines() -> None:
     assert queue.remove("r3") and not queue.remove("r3")
     assert queue.pop().request.request_id == "r1" and queue.pop() is None
     queue.check_invariants()
+
+
+def prompt(request_id: str, num_tokens: int) -> TokenizedRequest:
+    return TokenizedRequest(request_id, list(range(num_tokens)), [], SamplingSpec(), "ipc://tok", 0.0)
+
+
+def queued(queue: WaitingQueue) -> tuple[list[str], int]:
+    queue.check_invariants()
+    return [w.request.request_id for w in queue._items.values()], queue.num_tokens
+
+
+def test_waiting_queue_refuses_a_push_at_either_bound_and_keeps_its_token_total() -> None:
+    queue = WaitingQueue(max_size=3, max_tokens=100)
+    assert queue.push(prompt("a", 40), 10.0) and queue.push(prompt("b", 50), 20.0)
+    assert not queue.push(prompt("c", 11), 10.0)  # 101 tokens: over the token bound
+    assert queued(queue) == (["a", "b"], 90)
+    assert queue.push(prompt("c", 10), 30.0)  # exactly 100 tokens
+    assert queued(queue) == (["a", "b", "c"], 100)
+    assert queue.pop().request.request_id == "a"
+    assert queued(queue) == (["b", "c"], 60)
+    assert queue.push(prompt("d", 0), 40.0)
+    assert not queue.push(prompt("e", 0), 40.0)  # 3 requests: over the count bound, though tokens are left
+    assert queued(queue) == (["b", "c", "d"], 60)
+    assert queue.remove("c") and not queue.remove("c")
+    assert queued(queue) == (["b", "d"], 50)
+    assert [w.request.request_id for w in queue.pop_expired(now_s=20.0)] == ["b"]
+    assert queued(queue) == (["d"], 0)
+    head = queue.pop()
+    assert queued(queue) == ([], 0)
+    queue.push_front(head)
+    assert queue.push(prompt("f", 100), 50.0)
+    first = queue.pop()
+    assert queued(queue) == (["f"], 100) and first.request.request_id == "d"
+    queue.push_front(first)  # back where it was, bounds not checked again
+    assert queued(queue) == (["d", "f"], 100)
+
+
+def test_waiting_queue_takes_one_overlong_prompt_only_when_empty_and_drops_a_refused_ids_old_copy() -> None:
+    queue = WaitingQueue(max_size=4, max_tokens=100)
+    assert queue.push(prompt("long", 150), 10.0)  # alone: taken, or it would be refused for ever
+    assert not queue.push(prompt("short", 1), 10.0)
+    assert queued(queue) == (["long"], 150)
+    assert queue.pop().request.request_id == "long"
+    assert queue.push(prompt("a", 60), 10.0) and queue.push(prompt("b", 30), 10.0)
+    assert queue.push(prompt("a", 70), 10.0)  # the same id again: replaces its copy, at the back
+    assert queued(queue) == (["b", "a"], 100)
+    assert not queue.push(prompt("b", 31), 10.0)  # refused: its old copy is gone too (the caller answers 429)
+    assert queued(queue) == (["a"], 70)
+    assert not WaitingQueue(max_size=0, max_tokens=100).push(prompt("x", 1), 10.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["push", "pop", "remove", "expire", "requeue"]),
+                          st.sampled_from("abcdef"), st.integers(0, 60), st.integers(0, 9)), max_size=40))
+def test_waiting_queue_matches_a_list_model(ops: list[tuple[str, str, int, int]]) -> None:
+    queue, model = WaitingQueue(max_size=4, max_tokens=100), []  # model: [(request_id, num_tokens, deadline)]
+    for op, request_id, num_tokens, when in ops:
+        if op == "push":
+            model = [m for m in model if m[0] != request_id]
+            fits = len(model) < 4 and (not model or sum(m[1] for m in model) + num_tokens <= 100)
+            assert queue.push(prompt(request_id, num_tokens), float(when)) == fits
+            model += [(request_id, num_tokens, when)] if fits else []
+        elif op == "pop":
+            waiting = queue.pop()
+            assert (waiting.request.request_id if waiting else None) == (model.pop(0)[0] if model else None)
+        elif op == "remove":
+            assert queue.remove(request_id) == any(m[0] == request_id for m in model)
+            model = [m for m in model if m[0] != request_id]
+        elif op == "expire":
+            assert [w.request.request_id for w in queue.pop_expired(float(when))] == [
+                m[0] for m in model if m[2] <= when]
+            model = [m for m in model if m[2] > when]
+        elif (waiting := queue.pop()) is not None:  # requeue: popped, not routable, put back
+            queue.push_front(waiting)
+        assert queued(queue) == ([m[0] for m in model], sum(m[1] for m in model))
+
+
+def test_queue_deadline_is_the_sooner_of_the_wait_limit_and_the_requests_own_and_none_by_default() -> None:
+    assert queue_deadline_s(100.0, 0.0, None) == math.inf  # the default: no wait limit, no deadline
+    assert queue_deadline_s(100.0, 0.0, 150.0) == 150.0
+    assert queue_deadline_s(100.0, 30.0, None) == 130.0
+    assert queue_deadline_s(100.0, 30.0, 120.0) == 120.0
+    assert queue_deadline_s(100.0, 30.0, 140.0) == 130.0
+    queue = WaitingQueue(max_size=2, max_tokens=100)
+    assert queue.push(prompt("r", 1), queue_deadline_s(100.0, 0.0, None))
+    assert queue.pop_expired(now_s=1e12) == [] and len(queue) == 1
+
+
+def test_scheduler_defaults_queue_a_burst_without_a_wait_limit_and_derive_the_worker_limit() -> None:
+    config = SchedulerConfig()
+    assert (config.max_queue_wait_s, config.max_requests_per_worker) == (0.0, 0)
+    assert config.max_queue >= 5000 and config.max_queued_tokens >= 5000 * 1000
+    assert (config.requests_per_worker(2), config.requests_per_worker(256)) == (4, 512)
+    assert config.requests_per_worker(0) == 512  # a worker that reports no max_num_seqs
+    assert SchedulerConfig(max_requests_per_worker=3).requests_per_worker(256) == 3
+    with pytest.raises(ValueError):
+        SchedulerConfig(max_queue_wait_s=-1.0)
+    with pytest.raises(ValueError):
+        SchedulerConfig(max_queued_tokens=-1)
 
 
 # --- cache_index sequencer --------------------------------------------------------------------------------
