@@ -11,7 +11,9 @@ import msgspec
 # 2: tokenizer ↔ scheduler failover: TokenizedRequest.wants_routed → RequestRouted; AdoptRequest (sent only to a
 #    scheduler whose StatusReply says version >= 2); AbortRequest.worker_id; GenerateError.worker_lost;
 #    StatusReply.incarnation.
-PROTOCOL_VERSION = 2
+# 3: MetricsRequest → MetricsReply (gateway ↔ scheduler; sent only to a scheduler whose StatusReply says
+#    version >= 3); WorkerHeartbeat.metrics.
+PROTOCOL_VERSION = 3
 
 T = TypeVar("T")
 
@@ -229,6 +231,7 @@ class WorkerHeartbeat(msgspec.Struct, frozen=True, tag=True):
     page_size: int
     load: WorkerLoad
     transfer: TransferStats | None = None  # PD counters since start (None from workers before PD)
+    metrics: EngineMetrics | None = None  # protocol 3: the engine's counters and gauges (None from older workers)
     version: int = PROTOCOL_VERSION
 
 
@@ -283,6 +286,54 @@ class StatusReply(msgspec.Struct, frozen=True, tag=True):
     num_queued: int
     num_in_flight: int
     incarnation: str = ""
+    version: int = PROTOCOL_VERSION
+
+
+# --- metrics: engine counters in heartbeats, Prometheus text for the gateway's /metrics ---------------------
+
+class HistogramCounts(msgspec.Struct, frozen=True):
+    """A fixed-bucket histogram: counts[i] values in (bounds[i-1], bounds[i]], counts[-1] values above bounds[-1]
+    (per bucket, not cumulative: len(counts) == len(bounds) + 1); sum of every value observed."""
+
+    bounds: list[float]
+    counts: list[int]
+    sum: float
+
+
+class EngineMetrics(msgspec.Struct, frozen=True):
+    """A worker engine's gauges now and its counters since it started (vLLM's engine metrics; see README, Metrics).
+
+    Prompt tokens, prefix-cache queries and hits and queue time count each sequence once, at its first admission.
+    """
+
+    num_requests_running: int  # sequences in the engine's running batch
+    num_requests_waiting: int  # sequences in the engine's own waiting queue
+    num_total_pages: int  # KV pool pages (page 0, reserved, excluded)
+    num_request_pages: int  # pages held by requests (cached pages nobody holds, evictable, count as free)
+    num_cached_pages: int  # pages the radix prefix cache holds
+    num_preemptions: int
+    num_prefix_queries: int  # prompt tokens looked up in the prefix cache at first admission
+    num_prefix_hits: int  # of those, tokens the cache served
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    queue_time_s: HistogramCounts  # request arrival (tokenizer) to the first engine step that schedules it
+    step_time_s: HistogramCounts  # wall time of one engine step
+    step_tokens: HistogramCounts  # tokens per engine step
+    step_sequences: HistogramCounts  # sequences per engine step
+
+
+class MetricsRequest(msgspec.Struct, frozen=True, tag=True):
+    """gateway → scheduler, protocol 3: your Prometheus text (own series and the engine series of live workers)."""
+
+    request_id: str
+    version: int = PROTOCOL_VERSION
+
+
+class MetricsReply(msgspec.Struct, frozen=True, tag=True):
+    """scheduler → gateway: the Prometheus text exposition (format 0.0.4) answering MetricsRequest request_id."""
+
+    request_id: str
+    text: bytes
     version: int = PROTOCOL_VERSION
 
 
@@ -418,7 +469,8 @@ GatewayInbound = GenerateChunk | GenerateError
 TokenizerInbound = GenerateRequest | AbortRequest
 TokenizerStreamInbound = TokenBatch | GenerateError | RequestRouted
 SchedulerInbound = (TokenizedRequest | AbortRequest | WorkerHeartbeat | RequestFinished | WorkerGone
-                    | StatusRequest | HandoffAccepted | AdoptRequest)
+                    | StatusRequest | HandoffAccepted | AdoptRequest | MetricsRequest)
+SchedulerReply = StatusReply | MetricsReply  # what a gateway receives from schedulers
 WorkerInbound = TokenizedRequest | AbortRequest | SnapshotRequest | PrefillRequest | KVReady | ReleaseLease
 TransferInbound = PagesRequest
 TransferReply = PagesChunk

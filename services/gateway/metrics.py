@@ -24,6 +24,8 @@ class GatewayMetrics:
                                          registry=self.registry)
         self.in_flight = Gauge(prefix + "requests_in_flight", "generation requests being served",
                                registry=self.registry)
+        self.scheduler_metrics_up = Gauge(prefix + "scheduler_metrics_up", "1 when this scrape holds a scheduler's "
+                                          "series (worker engine series included), else 0", registry=self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -28,14 +28,15 @@ from services.gateway.responses import (RequestOutput, chat_response, chat_role_
                                         completion_chunk, completion_response, usage_chunk)
 from shared import transport
 from shared.actor import Actor
-from shared.messages import (AbortRequest, GatewayInbound, GenerateChunk, GenerateError, StatusReply,
-                             StatusRequest)
+from shared.messages import (AbortRequest, GatewayInbound, GenerateChunk, GenerateError, MetricsReply, MetricsRequest,
+                             SchedulerReply, StatusReply, StatusRequest)
 
 log = structlog.get_logger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
+METRICS_MIN_VERSION = 3  # the protocol version that brought MetricsRequest
 
 
 @dataclass
@@ -87,6 +88,7 @@ class Gateway(Actor):
         self._status_at = -math.inf
         self._status_poll: asyncio.Future[StatusReply] | None = None
         self._status_poll_at = -math.inf
+        self._metrics_polls: dict[str, asyncio.Future[bytes]] = {}  # MetricsRequest id → the scheduler's text
         self._created_s = int(time.time())
         self._runner: web.AppRunner | None = None
         self._tokenizers: zmq.asyncio.Socket | None = None
@@ -96,7 +98,8 @@ class Gateway(Actor):
         self._tokenizers = _dealer(self.config.tokenizer_addr_list, self._identity)
         self._schedulers = _dealer(self.config.scheduler_addr_list, self._identity)
         self.spawn(transport.receive_forever(self._tokenizers, GatewayInbound, self._on_result), "tokenizer-recv")
-        self.spawn(transport.receive_forever(self._schedulers, StatusReply, self._on_status), "scheduler-recv")
+        self.spawn(transport.receive_forever(self._schedulers, SchedulerReply, self._on_scheduler_reply),
+                   "scheduler-recv")
         self._runner = web.AppRunner(self.build_app(), handler_cancellation=True, shutdown_timeout=5.0,
                                      access_log=None)
         await self._runner.setup()
@@ -212,7 +215,11 @@ class Gateway(Actor):
         return json_response({"status": "ok"})
 
     async def metrics_text(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+        """The gateway's series, then one scheduler's (its own and every live worker's engine series)."""
+        scheduler_text = await self._scheduler_metrics()
+        self.metrics.scheduler_metrics_up.set(0 if scheduler_text is None else 1)
+        return web.Response(body=self.metrics.render() + (scheduler_text or b""), content_type="text/plain",
+                            charset="utf-8")
 
     # --- generation ---
 
@@ -334,6 +341,30 @@ class Gateway(Actor):
             log.debug("result for an unknown request", request_id=msg.request_id)
             return
         call.queue.put_nowait(msg)
+
+    async def _on_scheduler_reply(self, msg: StatusReply | MetricsReply, identity: bytes | None) -> None:
+        if isinstance(msg, StatusReply):
+            await self._on_status(msg, identity)
+            return
+        future = self._metrics_polls.get(msg.request_id)
+        if future is not None and not future.done():
+            future.set_result(msg.text)
+
+    async def _scheduler_metrics(self) -> bytes | None:
+        """The Prometheus text of one scheduler (the DEALER's next one: every scheduler hears every worker's
+        heartbeats); None when no scheduler that knows MetricsRequest answers within peer_timeout_s."""
+        status = await self._scheduler_status()
+        if status is None or status.version < METRICS_MIN_VERSION:
+            return None
+        request_id = uuid.uuid4().hex
+        self._metrics_polls[request_id] = asyncio.get_running_loop().create_future()
+        try:
+            await self._send(self._schedulers, MetricsRequest(request_id), "scheduler")
+            return await asyncio.wait_for(self._metrics_polls[request_id], self.config.peer_timeout_s)
+        except (ApiError, TimeoutError):
+            return None
+        finally:
+            del self._metrics_polls[request_id]
 
     async def _on_status(self, msg: StatusReply, _identity: bytes | None) -> None:
         self._status, self._status_at = msg, asyncio.get_running_loop().time()

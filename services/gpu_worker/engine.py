@@ -14,6 +14,7 @@ from services.gpu_worker.attention import AttentionMetadata, make_backend
 from services.gpu_worker.batch_policy import BatchPolicy, StepPlan
 from services.gpu_worker.block_pool import BlockPool
 from services.gpu_worker.engine_config import EngineConfig
+from services.gpu_worker.engine_metrics import EngineMetricsRecorder
 from services.gpu_worker.kv_cache import KVCache, select_pages
 from services.gpu_worker.model.llama import LlamaForCausalLM
 from services.gpu_worker.model.loader import LoadedModel, load_model
@@ -149,6 +150,8 @@ class Engine:
         self._handoffs: list[Handoff] = []
         self._next_seq_id = 0
         self._num_steps = 0
+        self._num_forward_tokens = 0  # tokens the last _forward ran through the model
+        self.metrics = EngineMetricsRecorder()
         self.is_overlapped = config.resolved_overlap()
         self._launched: LaunchedStep | None = None
         self.warmup_seconds = self.warm_up() if config.resolved_warmup(self.backend.name) else 0.0
@@ -205,22 +208,26 @@ class Engine:
             self.cache.clear()
         self.cache.drain_events()
         self._num_steps = 0
+        self.metrics = EngineMetricsRecorder()
         if self.graphs is not None:
             self.graphs.num_replays = 0
         return time.perf_counter() - start
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    is_prefill_only: bool = False) -> None:
+                    is_prefill_only: bool = False, arrival_s: float | None = None) -> None:
         """Queue a request; raises ValueError for a prompt that can never run.
 
         is_prefill_only (PD prefill side): after the first token the request stops here and its prompt
         pages are held (see drain_handoffs / release_held), unless that token already ended it.
+        arrival_s: when the request arrived (unix time; default now), the start of its queue time.
         """
         self._validate(request_id, prompt_token_ids)
         if is_prefill_only and params.n > 1:
             raise ValueError("a prefill-only request must have n == 1")
         seq = self._new_sequence(request_id, 0, list(prompt_token_ids), params)
         seq.is_prefill_only = is_prefill_only
+        if arrival_s is not None:  # NOTE: Sequence.arrival is monotonic; the wire's arrival_s is unix time
+            seq.arrival -= max(0.0, time.time() - arrival_s)
         self._requests[request_id] = [seq]
         self.policy.add(seq)
 
@@ -342,13 +349,17 @@ class Engine:
         sequence that step N ended (EOS, a stop id) costs one discarded row in step N+1, and one ending by
         length or a PD hold is not scheduled again. Returns the tokens of the step that was read.
         """
+        started_s = time.perf_counter()
         now = time.monotonic()
         outputs: list[TokenOutput] = []
         previous = self._launched
         if previous is not None and previous.needs_history:
             outputs += self._resolve(previous, now)
             previous = self._launched = None
+        num_running = len(self.policy.running)
         plan = self.policy.schedule(now)
+        if plan.items:
+            self._record_admitted(plan, num_running, now)
         launched = self._launch(plan, now) if plan.items else None
         if previous is not None:
             outputs += self._resolve(previous, now)
@@ -359,7 +370,22 @@ class Engine:
         if launched is not None and not self.is_overlapped:
             outputs += self._resolve(launched, now)
             self._launched = None
+        if plan.items:
+            self.metrics.on_step(self._num_forward_tokens, len(plan.items), time.perf_counter() - started_s)
         return outputs
+
+    def _record_admitted(self, plan: StepPlan, num_running_before: int, now: float) -> None:
+        """Count the sequences this plan admits for the first time (prompt, prefix-cache match, queue time).
+
+        The policy appends admitted sequences to both `running` and the plan's items, after the running ones,
+        and its preempted ones leave `running`: so the admitted are the plan's last items, this many of them.
+        O(admitted), not O(batch).
+        """
+        num_admitted = len(self.policy.running) - num_running_before + len(plan.preempted)
+        for item in plan.items[max(len(plan.items) - num_admitted, 0):] if num_admitted > 0 else ():
+            seq = item.seq
+            if seq.num_preemptions == 0 and seq.num_output_tokens == 0:  # not a re-admission, not a PD import
+                self.metrics.on_first_admission(seq.num_prompt_tokens, seq.num_cached_tokens, now - seq.arrival)
 
     def _previous_tokens(self) -> torch.Tensor:
         """The launched step's sampled tokens [B_prev] int64, on the device (the host has not read them yet)."""
@@ -435,6 +461,7 @@ class Engine:
                 self.policy.finish(seq, now)
             elif seq.is_prefill_only:
                 self._hold(seq, now)
+        self.metrics.on_generated(len(live))
         return [self._output(seq, [t], [lp] if lp is not None else None) for seq, t, lp in live]
 
     def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -444,6 +471,7 @@ class Engine:
             pending = [(i, item.seq.pending_row) for i, item in enumerate(plan.items) if item.seq.num_pending]
             replayed = self.graphs.try_forward(plan.items, pending, self._previous_tokens() if pending else None)
             if replayed is not None:
+                self._num_forward_tokens = len(plan.items)  # a replay runs decodes only: one token each
                 return replayed
         input_ids, positions, slots, query_start, seq_lens = [], [], [], [0], []
         logit_rows = []
@@ -472,6 +500,7 @@ class Engine:
             query_start_host=query_start, seq_lens_host=seq_lens,
             max_query_len=max(item.num_new_tokens for item in plan.items), max_seq_len=max(seq_lens))
         ids = to_device(input_ids, torch.long, dev)
+        self._num_forward_tokens = query_start[-1]
         pending = [(query_start[i + 1] - 1, item.seq.pending_row) for i, item in enumerate(plan.items)
                    if item.seq.num_pending and seq_lens[i] == item.seq.num_tokens]
         self._feed_pending(pending, ids)

@@ -22,9 +22,9 @@ from services.gpu_worker.engine import Engine
 from services.gpu_worker.handoff import HandoffSettings, Handoffs, ImportDoneCommand
 from services.gpu_worker.kv_transfer.base import default_host_id
 from services.gpu_worker.request import SamplingParams, TokenOutput
-from shared.messages import (CacheSnapshot, GenerateError, HandoffAccepted, KVEventBatch, KVReady, PrefillRequest, ReleaseLease,
-                             RequestFinished, SamplingSpec, TokenBatch, TokenizedRequest, TokenLogprobEntry,
-                             TokenOutputs, TransferStats, WorkerLoad)
+from shared.messages import (CacheSnapshot, EngineMetrics, GenerateError, HandoffAccepted, KVEventBatch, KVReady,
+                             PrefillRequest, ReleaseLease, RequestFinished, SamplingSpec, TokenBatch, TokenizedRequest,
+                             TokenLogprobEntry, TokenOutputs, TransferStats, WorkerLoad)
 
 log = structlog.get_logger(__name__)
 
@@ -131,6 +131,22 @@ def engine_load(engine: Engine, num_leased_pages: int = 0) -> WorkerLoad:
                       max_num_seqs=engine.policy.max_num_seqs)
 
 
+def engine_metrics(engine: Engine) -> EngineMetrics:
+    """The engine's gauges now and a copy of its counters, as heartbeats report them (vLLM's meanings: cached pages
+    that no request holds are evictable, so they count as free in num_request_pages)."""
+    recorder, policy, cache = engine.metrics, engine.policy, engine.cache
+    num_total = engine.pool.capacity
+    num_request_pages = min(max(num_total - engine.pool.num_free - cache.num_evictable_pages, 0), num_total)
+    return EngineMetrics(
+        num_requests_running=len(policy.running), num_requests_waiting=len(policy.waiting),
+        num_total_pages=num_total, num_request_pages=num_request_pages, num_cached_pages=cache.num_cached_pages,
+        num_preemptions=policy.num_preemptions, num_prefix_queries=recorder.num_prefix_queries,
+        num_prefix_hits=recorder.num_prefix_hits, num_prompt_tokens=recorder.num_prompt_tokens,
+        num_generation_tokens=recorder.num_generation_tokens, queue_time_s=recorder.queue_time_s.as_wire(),
+        step_time_s=recorder.step_time_s.as_wire(), step_tokens=recorder.step_tokens.as_wire(),
+        step_sequences=recorder.step_sequences.as_wire())
+
+
 class EngineLoop:
     """Owns the engine from start() on: only the engine thread touches it."""
 
@@ -140,6 +156,7 @@ class EngineLoop:
         self.identity = identity
         self.next_seq = 0  # the number of the next KV event
         self.load = engine_load(engine)  # replaced (never mutated) by the engine thread
+        self.metrics = engine_metrics(engine)  # likewise
         self._deliver = deliver
         self._clock = clock
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -199,6 +216,7 @@ class EngineLoop:
     def _finish_iteration(self, envelopes: list[Envelope]) -> None:
         envelopes += self._kv_events()
         self.load = engine_load(self.engine, self.handoffs.leases.num_pages)
+        self.metrics = engine_metrics(self.engine)
         self.transfer = self.handoffs.stats
         if envelopes:
             self._deliver(envelopes)
@@ -237,7 +255,7 @@ class EngineLoop:
         try:
             params = sampling_params(request.sampling)
             self.engine.add_request(request.request_id, request.prompt_token_ids, params,
-                                    is_prefill_only=prefill is not None)
+                                    is_prefill_only=prefill is not None, arrival_s=request.arrival_s)
         except ValueError as exc:
             return self._reject(request, 400, "invalid_request_error", str(exc))
         self._in_flight[request.request_id] = InFlight(request.reply_addr, params.n,

@@ -172,7 +172,7 @@ class WorkerService(Actor):
         await self._to_schedulers(WorkerHeartbeat(
             worker_id=self.worker_id, incarnation=self.incarnation, addr=self._worker_addr,
             model_id=engine.model_config.model_id, role=self.config.role, page_size=engine.config.page_size,
-            load=self.engine_loop.load, transfer=self.engine_loop.transfer))
+            load=self.engine_loop.load, transfer=self.engine_loop.transfer, metrics=self.engine_loop.metrics))
 
     async def close(self) -> None:
         """Fail what is in flight, flush its messages, say WorkerGone, and close every socket."""

@@ -1,21 +1,85 @@
-"""The scheduler's Prometheus metrics (routing decisions by reason, prefix hits, index lookups) and the tiny
-aiohttp server that exposes them at /metrics."""
+"""The scheduler's Prometheus metrics (routing decisions by reason, prefix hits, index lookups), the engine
+series of its live workers (from their heartbeats), and the tiny aiohttp server that exposes them at /metrics."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from itertools import accumulate
 from typing import Any
 
 import prometheus_client as prom
+import prometheus_client.utils
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from services.scheduler.policy import Decision
+from shared.messages import EngineMetrics, HistogramCounts
+
+WorkerMetrics = Callable[[], list[tuple[str, EngineMetrics]]]  # (worker_id, its latest EngineMetrics) per live worker
+
+_GAUGES: list[tuple[str, str, Callable[[EngineMetrics], float]]] = [
+    ("radixserve_num_requests_running", "sequences running in the worker's engine", lambda m: m.num_requests_running),
+    ("radixserve_num_requests_waiting", "sequences in the engine's own waiting queue",
+     lambda m: m.num_requests_waiting),
+    ("radixserve_kv_cache_usage_perc", "fraction of KV pages held by requests, 0..1 (evictable cached pages count as "
+     "free)", lambda m: m.num_request_pages / m.num_total_pages if m.num_total_pages else 0.0),
+    ("radixserve_prefix_cache_usage_perc", "fraction of KV pages held by the radix prefix cache, 0..1",
+     lambda m: m.num_cached_pages / m.num_total_pages if m.num_total_pages else 0.0),
+]
+_COUNTERS: list[tuple[str, str, Callable[[EngineMetrics], float]]] = [
+    ("radixserve_num_preemptions", "sequences preempted (their KV recomputed later)", lambda m: m.num_preemptions),
+    ("radixserve_prefix_cache_queries", "prompt tokens looked up in the prefix cache at first admission",
+     lambda m: m.num_prefix_queries),
+    ("radixserve_prefix_cache_hits", "prompt tokens the prefix cache served at first admission",
+     lambda m: m.num_prefix_hits),
+    ("radixserve_prompt_tokens", "prompt tokens of sequences admitted", lambda m: m.num_prompt_tokens),
+    ("radixserve_generation_tokens", "tokens generated", lambda m: m.num_generation_tokens),
+]
+_HISTOGRAMS: list[tuple[str, str, Callable[[EngineMetrics], HistogramCounts]]] = [
+    ("radixserve_request_queue_time_seconds", "request arrival (tokenizer) to its first engine step",
+     lambda m: m.queue_time_s),
+    ("radixserve_engine_step_seconds", "wall time of one engine step", lambda m: m.step_time_s),
+    ("radixserve_iteration_tokens_total", "tokens per engine step", lambda m: m.step_tokens),
+    ("radixserve_engine_step_sequences", "sequences per engine step (batch size)", lambda m: m.step_sequences),
+]
+
+
+class EngineMetricsCollector:
+    """Renders each live worker's latest EngineMetrics as Prometheus families, labelled worker_id."""
+
+    def __init__(self, read: WorkerMetrics) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        workers = self._read()
+        for name, help_text, value in _GAUGES:
+            family = GaugeMetricFamily(name, help_text, labels=["worker_id"])
+            for worker_id, metrics in workers:
+                family.add_metric([worker_id], value(metrics))
+            yield family
+        for name, help_text, value in _COUNTERS:
+            family = CounterMetricFamily(name, help_text, labels=["worker_id"])
+            for worker_id, metrics in workers:
+                family.add_metric([worker_id], value(metrics))
+            yield family
+        for name, help_text, histogram in _HISTOGRAMS:
+            family = HistogramMetricFamily(name, help_text, labels=["worker_id"])
+            for worker_id, metrics in workers:
+                family.add_metric([worker_id], *_buckets(histogram(metrics)))
+            yield family
+
+
+def _buckets(histogram: HistogramCounts) -> tuple[list[tuple[str, float]], float]:
+    """Per-bucket counts → Prometheus' cumulative (le, count) pairs ending with +Inf, and the sum."""
+    bounds = [prom.utils.floatToGoString(b) for b in histogram.bounds] + ["+Inf"]
+    return list(zip(bounds, accumulate(histogram.counts))), histogram.sum
 
 
 class SchedulerMetrics:
     """One registry per scheduler process (not the global default, so tests can build several)."""
 
-    def __init__(self, policy: str) -> None:
+    def __init__(self, policy: str, workers: WorkerMetrics = list) -> None:
         self.policy = policy
         self.registry = prom.CollectorRegistry()
+        self.registry.register(EngineMetricsCollector(workers))
         self.decisions = prom.Counter("radixserve_scheduler_routing_decisions", "requests routed, by reason",
                                       ["policy", "reason"], registry=self.registry)
         self.prompt_blocks = prom.Counter("radixserve_scheduler_prompt_blocks",

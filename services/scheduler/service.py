@@ -25,9 +25,9 @@ from services.scheduler.registry import HeartbeatKind, Registry
 from services.scheduler.waiting_queue import WaitingQueue, queue_deadline_s
 from shared import redis_index, transport
 from shared.actor import Actor
-from shared.messages import (AbortRequest, AdoptRequest, GenerateError, HandoffAccepted, PrefillRequest,
-                             RequestFinished, RequestRouted, SchedulerInbound, StatusReply, StatusRequest,
-                             TokenizedRequest, WorkerGone, WorkerHeartbeat)
+from shared.messages import (AbortRequest, AdoptRequest, EngineMetrics, GenerateError, HandoffAccepted, MetricsReply,
+                             MetricsRequest, PrefillRequest, RequestFinished, RequestRouted, SchedulerInbound,
+                             StatusReply, StatusRequest, TokenizedRequest, WorkerGone, WorkerHeartbeat)
 
 log = structlog.get_logger(__name__)
 
@@ -53,7 +53,8 @@ class SchedulerService(Actor):
         self.pairing = make_pairing(config.pd_policy, self.policy, config.heartbeat_timeout_s, config.cost_weights,
                                     config.pd_min_prefill_tokens)
         self.pending = PendingPrefixes(config.pending_ttl_s)
-        self.metrics = SchedulerMetrics(config.routing)
+        self._engine_metrics: dict[str, EngineMetrics] = {}  # worker_id → its latest heartbeat's metrics
+        self.metrics = SchedulerMetrics(config.routing, self._live_engine_metrics)
         self.metrics.gauge("radixserve_scheduler_workers", "live workers known", lambda: len(self.registry))
         self.metrics.gauge("radixserve_scheduler_queued_requests", "requests waiting for a worker",
                            lambda: len(self.queue))
@@ -67,7 +68,8 @@ class SchedulerService(Actor):
         self._handlers = {TokenizedRequest: self._on_request, AbortRequest: self._on_abort,
                           WorkerHeartbeat: self._on_heartbeat, RequestFinished: self._on_finished,
                           WorkerGone: self._on_worker_gone, StatusRequest: self._on_status,
-                          HandoffAccepted: self._on_handoff_accepted, AdoptRequest: self._on_adopt}
+                          HandoffAccepted: self._on_handoff_accepted, AdoptRequest: self._on_adopt,
+                          MetricsRequest: self._on_metrics}
 
     async def start(self) -> None:
         self._router = transport.bind(zmq.ROUTER, self.config.scheduler_addr)
@@ -224,6 +226,10 @@ class SchedulerService(Actor):
 
     async def _on_heartbeat(self, hb: WorkerHeartbeat, identity: bytes | None) -> None:
         kind, old = self.registry.on_heartbeat(hb, time.monotonic())
+        if hb.metrics is not None:
+            self._engine_metrics[hb.worker_id] = hb.metrics
+        else:
+            self._engine_metrics.pop(hb.worker_id, None)
         if kind is HeartbeatKind.NEW:
             log.info("worker registered", worker_id=hb.worker_id, addr=hb.addr, model_id=hb.model_id, role=hb.role)
         elif kind is HeartbeatKind.RESTARTED:
@@ -265,6 +271,15 @@ class SchedulerService(Actor):
                             num_queued=len(self.queue), num_in_flight=len(self.inflight),
                             incarnation=self.incarnation)
         await transport.send(self._router, reply, identity)
+
+    async def _on_metrics(self, msg: MetricsRequest, identity: bytes | None) -> None:
+        await transport.send(self._router, MetricsReply(msg.request_id, self.metrics.render()), identity)
+
+    def _live_engine_metrics(self) -> list[tuple[str, EngineMetrics]]:
+        """(worker_id, latest EngineMetrics) of each worker in the registry; forgets the workers that left it."""
+        for worker_id in [w for w in self._engine_metrics if w not in self.registry]:
+            del self._engine_metrics[worker_id]
+        return sorted(self._engine_metrics.items())
 
     async def _tick(self) -> None:
         """Periodic: drop workers that missed heartbeats, fail queued requests past their deadline and adopted

@@ -21,17 +21,21 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from shared.messages import (AbortRequest, GenerateChunk, GenerateError, GenerateRequest, StatusReply,
-                             StatusRequest, TokenizerInbound, TokenLogprobEntry, decode, encode)
+from shared.messages import (AbortRequest, GenerateChunk, GenerateError, GenerateRequest, MetricsReply,
+                             MetricsRequest, StatusReply, StatusRequest, TokenizerInbound, TokenLogprobEntry, decode,
+                             encode)
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "fake-model"
 PIECES = ["Hel", "lo", " #{i}"]  # every sample's text, one GenerateChunk per piece
 NUM_PROMPT_TOKENS, NUM_CACHED_TOKENS = 4, 2
+SCHEDULER_METRICS = (b'# TYPE radixserve_num_requests_running gauge\n'
+                     b'radixserve_num_requests_running{worker_id="w0"} 2.0\n')
 
 
 class FakePeers:
-    """A tokenizer ROUTER answering GenerateRequests by script, and a scheduler ROUTER answering StatusRequests.
+    """A tokenizer ROUTER answering GenerateRequests by script, and a scheduler ROUTER answering StatusRequests
+    and (while answers_metrics) MetricsRequests with SCHEDULER_METRICS.
 
     Script, by the prompt text (the last chat message or the completion prompt):
       anything: each sample i streams "Hel", "lo", " #i" (tokens 10, 11, 12+i), finish "length" if
@@ -46,6 +50,7 @@ class FakePeers:
         self.requests: list[GenerateRequest] = []
         self.aborts: list[AbortRequest] = []
         self.num_workers = 1
+        self.answers_metrics = True
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -73,7 +78,11 @@ class FakePeers:
     async def _serve_scheduler(self, sock: zmq.asyncio.Socket) -> None:
         while True:
             identity, data = await sock.recv_multipart()
-            assert isinstance(decode(data, StatusRequest), StatusRequest)
+            request = decode(data, StatusRequest | MetricsRequest)
+            if isinstance(request, MetricsRequest):
+                if self.answers_metrics:
+                    await sock.send_multipart([identity, encode(MetricsReply(request.request_id, SCHEDULER_METRICS))])
+                continue
             reply = StatusReply([MODEL] if self.num_workers else [], self.num_workers, 0, 0)
             await sock.send_multipart([identity, encode(reply)])
 
@@ -403,6 +412,23 @@ async def test_metrics_count_requests_and_tokens(gateway: GatewayProcess) -> Non
 
 
 @pytest.mark.asyncio
+async def test_metrics_append_the_schedulers_series(gateway: GatewayProcess, peers: FakePeers) -> None:
+    status, text = await get(gateway, "/metrics")
+    assert status == 200
+    assert text.endswith(SCHEDULER_METRICS.decode())
+    assert "radixserve_gateway_scheduler_metrics_up 1.0\n" in text
+    peers.answers_metrics = False
+    try:
+        status, text = await get(gateway, "/metrics")  # the scheduler answers status, not metrics: after the timeout
+    finally:
+        peers.answers_metrics = True
+    assert status == 200
+    assert "radixserve_gateway_scheduler_metrics_up 0.0\n" in text
+    assert "radixserve_gateway_requests_total" in text
+    assert "worker_id" not in text
+
+
+@pytest.mark.asyncio
 async def test_client_disconnect_mid_stream_aborts(gateway: GatewayProcess, peers: FakePeers) -> None:
     async with aiohttp.ClientSession() as session:
         resp = await session.post(gateway.url + "/v1/chat/completions",
@@ -440,6 +466,15 @@ async def test_health_without_scheduler_is_503(strict_gateway: GatewayProcess) -
     status, text = await get(strict_gateway, "/health")
     assert status == 503
     assert json.loads(text)["error"]["message"] == "No scheduler answered a status request."
+
+
+@pytest.mark.asyncio
+async def test_metrics_without_scheduler_are_the_gateways_own(strict_gateway: GatewayProcess) -> None:
+    status, text = await get(strict_gateway, "/metrics", headers=AUTH)
+    assert status == 200
+    assert "radixserve_gateway_scheduler_metrics_up 0.0\n" in text
+    assert "# TYPE radixserve_gateway_requests_total counter" in text
+    assert "worker_id" not in text
 
 
 @pytest.mark.asyncio

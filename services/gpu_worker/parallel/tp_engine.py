@@ -160,11 +160,11 @@ class LockstepEngine:
         return getattr(self.engine, name)  # reads only: every state change goes through the methods below
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    is_prefill_only: bool = False) -> None:
+                    is_prefill_only: bool = False, arrival_s: float | None = None) -> None:
         if is_prefill_only:
             raise ValueError("prefill-only (PD) requests are not supported with tensor parallelism")
         self._check_running()
-        self.engine.add_request(request_id, prompt_token_ids, params)
+        self.engine.add_request(request_id, prompt_token_ids, params, arrival_s=arrival_s)  # metrics: rank 0's only
         self._ops.append(AddOp(request_id, list(prompt_token_ids), params))
 
     def abort(self, request_id: str) -> list[TokenOutput]:
