@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,12 +50,25 @@ def request_body(target: Target, spec: RequestSpec) -> dict[str, Any]:
 
 
 async def send(http: aiohttp.ClientSession, target: Target, spec: RequestSpec, index: int,
-               run_start: float) -> RequestRecord:
-    """POST the spec, read the SSE stream to its end, and time it; never raises for server faults."""
+               run_start: float, on_tokens: Callable[[int], None] | None = None) -> RequestRecord:
+    """POST the spec, read the SSE stream to its end, and time it; never raises for server faults.
+
+    on_tokens(n), when given, hears of tokens as they arrive: 1 for each content chunk, then, at the end of
+    a successful request, the usage count's difference from the chunk count, so that the calls sum to its
+    num_output_tokens (a failed request's chunks stay counted: they were received).
+    """
     record = RequestRecord(index, max_tokens=spec.max_tokens, num_prompt_tokens=spec.num_prompt_tokens)
     started = time.perf_counter()
     record.start_s = started - run_start
-    stream = StreamTimer(started)
+    stream = StreamTimer(started, on_tokens)
+    await _exchange(http, target, spec, record, stream)
+    if on_tokens is not None and record.is_ok:
+        on_tokens(record.num_output_tokens - len(stream.content_times))
+    return record
+
+
+async def _exchange(http: aiohttp.ClientSession, target: Target, spec: RequestSpec, record: RequestRecord,
+                    stream: StreamTimer) -> None:
     try:
         timeout = aiohttp.ClientTimeout(total=target.timeout_s)
         async with http.post(target.url, json=request_body(target, spec), headers=target.headers,
@@ -62,7 +76,7 @@ async def send(http: aiohttp.ClientSession, target: Target, spec: RequestSpec, i
             if resp.status != 200:
                 record.error_kind = f"http_{resp.status}"
                 record.error_message = _error_message(await resp.text())
-                return record
+                return
             async for chunk in resp.content.iter_any():
                 stream.feed(chunk, time.perf_counter())
                 if stream.is_finished:
@@ -70,12 +84,11 @@ async def send(http: aiohttp.ClientSession, target: Target, spec: RequestSpec, i
             stream.close(time.perf_counter())
     except asyncio.TimeoutError:
         record.error_kind, record.error_message = "timeout", f"no complete answer within {target.timeout_s}s"
-        return record
+        return
     except aiohttp.ClientError as exc:
         record.error_kind, record.error_message = "connection", f"{type(exc).__name__}: {exc}"
-        return record
+        return
     stream.fill(record)
-    return record
 
 
 class StreamTimer:
@@ -86,8 +99,9 @@ class StreamTimer:
     server reports it, else the number of non-empty chunks.
     """
 
-    def __init__(self, started: float) -> None:
+    def __init__(self, started: float, on_tokens: Callable[[int], None] | None = None) -> None:
         self.started = started
+        self.on_tokens = on_tokens
         self.parser = SseParser()
         self.content_times: list[float] = []
         self.first_choice_time: float | None = None
@@ -127,6 +141,8 @@ class StreamTimer:
             if event.text:
                 self.content_times.append(now)
                 self.text.append(event.text)
+                if self.on_tokens is not None:
+                    self.on_tokens(1)
             self.finish_reason = event.finish_reason or self.finish_reason
 
     def fill(self, record: RequestRecord) -> None:
@@ -140,6 +156,7 @@ class StreamTimer:
         end = self.done_time if self.done_time is not None else self.end_time
         record.e2e_s = end - self.started if end is not None else None
         record.output_text = "".join(self.text)
+        record.finish_reason = self.finish_reason
         record.num_output_tokens = len(self.content_times)
         if self.usage:
             prompt, completion, cached = usage_counts(self.usage)

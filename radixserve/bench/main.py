@@ -13,17 +13,17 @@ from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
-from radixserve.bench import plots, report, runner, scrape, workloads
+from radixserve.bench import plots, report, runner, scrape, timeline, workloads
 from radixserve.bench.client import Target
-from radixserve.bench.metrics import summarize
+from radixserve.bench.metrics import summarize, totals
 
 WARMUP_SALT = 1_000_000  # warm-up prompts never share content with measured ones
 SIZE_HELP = {
     "num_requests": "requests (W0, W1, W3, W4, custom)",
-    "input_len": "prompt tokens; W2: the question's; W3: the mean; W4: the chat prompts'; W5: each user turn's",
-    "output_len": "max_tokens (exact with ignore_eos); W3: the mean",
-    "num_groups": "W2 system prompts", "per_group": "W2 requests per system prompt",
-    "prefix_len": "W2/W5 system prompt tokens", "long_input_len": "W4 long prompts' tokens",
+    "input_len": "prompt tokens; W2: the question's; W3/W6: the mean; W4: the chat prompts'; W5: each user turn's",
+    "output_len": "max_tokens (exact with ignore_eos); W3/W6: the mean",
+    "num_groups": "W2 system prompts; W6 shared system prompts", "per_group": "W2 requests per system prompt",
+    "prefix_len": "W2/W5/W6 system prompt tokens", "long_input_len": "W4 long prompts' tokens",
     "long_output_len": "W4 long requests' max_tokens", "long_fraction": "W4 share of long requests",
     "num_sessions": "W5 sessions", "turns": "W5 turns per session",
 }
@@ -32,7 +32,8 @@ SIZE_HELP = {
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (with or without /v1)")
     p.add_argument("--workload", default=None,
-                   help="w0 hf-parity, w1 decode-heavy, w2 shared-prefix, w3 online, w4 pd-mix, w5 multi-turn, custom")
+                   help="w0 hf-parity, w1 decode-heavy, w2 shared-prefix, w3 online, w4 pd-mix, w5 multi-turn, "
+                        "w6 sustained, custom")
     p.add_argument("--trace", default=None, help='JSONL: {"timestamp", "prompt_ids"|"prompt"|"messages", "max_tokens"}')
     p.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
     p.add_argument("--tokenizer", default=None,
@@ -51,7 +52,11 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                                                    "a list 1,2,4 sweeps (default inf; W3/W4: 1)")
     load.add_argument("--arrival", choices=["poisson", "uniform"], default=None,
                       help="gaps between arrivals (default poisson; W4 uniform)")
-    load.add_argument("--concurrency", type=int, default=None, help="at most this many requests in flight")
+    load.add_argument("--concurrency", type=int, default=None,
+                      help="at most this many requests in flight; W6: exactly this many (default 32)")
+    load.add_argument("--duration-s", type=float, default=300.0, help="W6: how long the closed loop sends")
+    load.add_argument("--sample-interval-s", type=float, default=10.0,
+                      help="W6: seconds between samples of throughput and the server's /metrics")
     load.add_argument("--warmup", type=int, default=0, help="requests sent (and not measured) before each run")
     load.add_argument("--seed", type=int, default=0)
     load.add_argument("--slo-ttft-ms", type=float, default=None)
@@ -66,6 +71,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--plot-dir", default=None, help="folder for the PNG plots (default: --out-dir)")
     out.add_argument("--name", default=None, help="file stem for the JSON and plots")
     out.add_argument("--hardware", default=None, help="describe the server's hardware for the record")
+    out.add_argument("--request-detail", choices=["full", "compact", "none"], default="full",
+                     help="per-request records in the JSON: all fields, without the ITL lists, or none (long runs)")
     out.add_argument("--no-plots", action="store_true")
     out.add_argument("--no-progress", action="store_true")
     out.add_argument("--compare", nargs="+", metavar="RESULT.json", default=None,
@@ -80,6 +87,7 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         print("error: give --workload NAME or --trace FILE (or --compare A.json B.json)", file=sys.stderr)
         return 2
     base_url = args.base_url.rstrip("/").removesuffix("/v1")
+    runner.raise_open_files_limit()
     tokenizer = _tokenizer(args.tokenizer) if args.tokenizer else None
     if args.chat and tokenizer is None and not args.trace:
         print("error: --chat needs --tokenizer (chat messages are text)", file=sys.stderr)
@@ -87,7 +95,7 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     maker = workloads.TextPrompts(tokenizer) if tokenizer else workloads.IdPrompts(args.vocab_size)
     name = workloads.ALIASES.get(args.workload, args.workload) if args.workload else "trace"
     settings = _settings(args, name)
-    rates = _rates(args.rate, name)
+    rates = [math.inf] if name == "w6" else _rates(args.rate, name)  # W6 is a closed loop: no rate
     arrival = args.arrival or ("uniform" if name == "w4" else "poisson")
     model = args.model or _first_model(base_url, args.api_key)
     target = Target(base_url, model, is_chat=args.chat, ignore_eos=not args.no_ignore_eos,
@@ -98,7 +106,10 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         for rate in rates:
             salt = len(runs)
             run_settings = settings if variant is None else replace(settings, variant=variant)
-            run = _one_run(args, name, run_settings, maker, target, rate, arrival, salt, variant)
+            if name == "w6":
+                run = _sustained_run(args, run_settings, maker, target, salt)
+            else:
+                run = _one_run(args, name, run_settings, maker, target, rate, arrival, salt, variant)
             repeat = sum(r["label"].split(" #")[0] == run["label"] for r in runs)
             run["label"] += f" #{repeat + 1}" if repeat else ""
             runs.append(run)
@@ -108,10 +119,13 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         command, name, {**(asdict(settings) if settings else {}), "rates": rates, "arrival": arrival,
                         "concurrency": args.concurrency, "warmup": args.warmup, "seed": args.seed,
                         "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms,
+                        **({"duration_s": args.duration_s, "sample_interval_s": args.sample_interval_s,
+                            "concurrency": _w6_concurrency(args)} if name == "w6" else {}),
                         "prompts": "text" if tokenizer else "token ids", "tokenizer": args.tokenizer,
                         "trace": args.trace, "endpoint": target.url.split("/v1/")[1],
-                        "ignore_eos": target.ignore_eos, "temperature": target.temperature},
-        {"base_url": base_url, "model": model}, runs, args.hardware)
+                        "ignore_eos": target.ignore_eos, "temperature": target.temperature,
+                        "request_detail": args.request_detail},
+        {"base_url": base_url, "model": model}, [_detailed(run, args.request_detail) for run in runs], args.hardware)
     path = report.write_json(record, args.out_dir, stem)
     print(f"wrote {path}")
     if not args.no_plots:
@@ -147,6 +161,35 @@ def _one_run(args, name: str, settings, maker, target: Target, rate: float, arri
         if rate_from_metrics is not None:
             figures["cache_hit_rate"], figures["cache_hit_rate_source"] = rate_from_metrics, "/metrics"
     return {"label": label, "series": variant or "", "rate": rate, "variant": variant, "figures": figures,
+            "totals": totals(records, target.ignore_eos), "requests": [r.to_json() for r in records]}
+
+
+def _detailed(run: dict[str, Any], detail: str) -> dict[str, Any]:
+    """run as the JSON keeps it: every request's record, those without their ITL lists, or none."""
+    if detail == "full":
+        return run
+    requests = [] if detail == "none" else [{k: v for k, v in r.items() if k != "itl_s"} for r in run["requests"]]
+    return {**run, "requests": requests}
+
+
+def _w6_concurrency(args: argparse.Namespace) -> int:
+    return args.concurrency or 32
+
+
+def _sustained_run(args, settings, maker, target: Target, salt: int) -> dict[str, Any]:
+    """W6: the closed loop, its window rows (`samples`), the loop's own throughput and the steady ratio."""
+    concurrency = _w6_concurrency(args)
+    source = workloads.Sustained(settings, maker, args.seed, salt, is_chat=args.chat)
+    records, duration_s, samples = asyncio.run(runner.run_closed_loop(
+        source.request, target, concurrency, args.duration_s, args.sample_interval_s, not args.no_progress))
+    loop_s = samples[-1]["t_end_s"] if samples else args.duration_s
+    sustained = {"concurrency": concurrency, "duration_s": args.duration_s, "sample_interval_s": args.sample_interval_s,
+                 "output_tok_s": sum(w["num_output_tokens"] for w in samples) / loop_s if loop_s > 0 else None,
+                 "drain_s": max(0.0, duration_s - loop_s),
+                 **timeline.steady(samples, args.duration_s, args.sample_interval_s)}
+    return {"label": f"concurrency={concurrency}", "series": "", "rate": None, "variant": None,
+            "figures": summarize(records, duration_s, args.slo_ttft_ms, args.slo_tpot_ms),
+            "totals": totals(records, target.ignore_eos), "sustained": sustained, "samples": samples,
             "requests": [r.to_json() for r in records]}
 
 
@@ -182,7 +225,11 @@ def _tokenizer(spec: str):
 
 
 def _plot(runs: list[dict[str, Any]], plot_dir: Path, stem: str, title: str) -> list[Path]:
-    paths = [plots.latency_cdfs(runs, plot_dir / f"{stem}_cdf.png", title)]
+    paths = []
+    if any(r.get("requests") for r in runs):  # result files written with --request-detail none have none
+        paths.append(plots.latency_cdfs(runs, plot_dir / f"{stem}_cdf.png", title))
+    if any(r.get("samples") for r in runs):
+        paths.append(plots.timeline(runs, plot_dir / f"{stem}_timeline.png", title))
     if sum(1 for r in runs if math.isfinite(r.get("rate") or math.inf)) > 1:
         paths.append(plots.ttft_vs_rate(runs, plot_dir / f"{stem}_ttft_vs_rate.png", title))
     return paths

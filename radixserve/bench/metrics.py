@@ -1,4 +1,5 @@
-"""Per-request records and the run's figures: percentiles, throughput, goodput, errors, cache hit rate (pure)."""
+"""Per-request records and the run's figures: percentiles, throughput, goodput, errors, cache hit rate, and the
+totals that account for every request (pure)."""
 from __future__ import annotations
 
 from collections import Counter
@@ -26,6 +27,7 @@ class RequestRecord:
     num_output_tokens: int = 0
     num_cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens; None: not reported
     max_tokens: int = 0
+    finish_reason: str | None = None  # the stream's last non-null choice finish_reason
     error_kind: str | None = None  # http_<code>, timeout, connection, stream_error, incomplete_stream
     error_message: str = ""
     session_id: int | None = None
@@ -107,4 +109,30 @@ def summarize(records: list[RequestRecord], duration_s: float, slo_ttft_ms: floa
         "cache_hit_rate": (sum(r.num_cached_tokens for r in reported) / num_reported_prompt
                            if reported and num_reported_prompt else None),
         "cache_hit_rate_source": "usage" if reported else None,
+    }
+
+
+def totals(records: list[RequestRecord], is_ignore_eos: bool) -> dict[str, Any]:
+    """Every request accounted for: sent = ok + failed; finish reasons (None as "none") sum to sent.
+
+    The expected completion total (sum of max_tokens over every request sent) exists only with ignore_eos.
+    is_exact: ignore_eos, no request failed, and every one returned exactly max_tokens tokens, so the
+    completion total equals the expected one; None without ignore_eos, where lengths are the model's choice.
+    """
+    ok = [r for r in records if r.is_ok]
+    num_short = sum(r.num_output_tokens < r.max_tokens for r in ok)
+    num_over = sum(r.num_output_tokens > r.max_tokens for r in ok)
+    failed = Counter(r.error_kind for r in records if not r.is_ok)
+    return {
+        "num_sent": len(records),
+        "num_ok": len(ok),
+        "num_failed": len(records) - len(ok),
+        "failed_by_kind": dict(sorted(failed.items())),
+        "num_completion_tokens": sum(r.num_output_tokens for r in ok),
+        "num_expected_tokens": sum(r.max_tokens for r in records) if is_ignore_eos else None,
+        "finish_reasons": dict(sorted(Counter(r.finish_reason or "none" for r in records).items())),
+        "is_ignore_eos": is_ignore_eos,
+        "num_short": num_short,
+        "num_over": num_over,
+        "is_exact": (not failed and num_short == 0 and num_over == 0) if is_ignore_eos else None,
     }

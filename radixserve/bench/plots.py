@@ -1,4 +1,5 @@
-"""PNG plots with matplotlib (Agg): latency CDFs of runs, and TTFT P50/P90 against the request rate."""
+"""PNG plots with matplotlib (Agg): latency CDFs of runs, TTFT P50/P90 against the request rate, and W6's
+throughput, KV usage and hit rate over time."""
 from __future__ import annotations
 
 import math
@@ -9,6 +10,8 @@ from typing import Any
 import numpy as np
 
 CDF_PANELS = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "end-to-end latency"))
+TIMELINE_PANELS = (("output_tok_s", "output tok/s"), ("kv_cache_usage_perc", "KV cache usage"),
+                   ("hit_rate", "prefix-cache hit rate"))
 
 
 def _pyplot():
@@ -62,6 +65,29 @@ def ttft_vs_rate(runs: list[dict[str, Any]], path: str | Path, title: str) -> Pa
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(textwrap.fill(textwrap.shorten(title, 120), 60), fontsize=9)
+    fig.tight_layout()
+    return _save(fig, plt, path)
+
+
+def timeline(runs: list[dict[str, Any]], path: str | Path, title: str) -> Path:
+    """W6: one panel per series against the window's end time, one line per run (e.g. cache on vs off);
+    a series the server did not export is left out of its panel, which says so."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(TIMELINE_PANELS), figsize=(5 * len(TIMELINE_PANELS), 3.8))
+    for ax, (key, name) in zip(axes, TIMELINE_PANELS):
+        is_drawn = False
+        for run in runs:
+            points = [(w["t_end_s"], w[key]) for w in run.get("samples", []) if w.get(key) is not None]
+            if points:
+                ax.plot(*zip(*points), "-o", markersize=3, label=run["label"])
+                is_drawn = True
+        if not is_drawn:
+            ax.text(0.5, 0.5, "not reported", ha="center", va="center", transform=ax.transAxes)
+        ax.set_xlabel("time (s)")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(textwrap.shorten(title, 160), fontsize=10)
     fig.tight_layout()
     return _save(fig, plt, path)
 

@@ -1,4 +1,4 @@
-"""The terminal table, the JSON result file, and run-by-run comparison."""
+"""The terminal table (figures, then each run's totals), the JSON result file, and run-by-run comparison."""
 from __future__ import annotations
 
 import json
@@ -19,6 +19,15 @@ ROWS: list[tuple[str, str, str]] = [  # (label, key path in figures, number form
     *[(f"{name.upper()} {stat} ms", f"{name}.{stat}_ms", ".1f")
       for name in ("ttft", "tpot", "itl", "e2e") for stat in ("mean", "p50", "p90", "p99")],
 ]
+TOTAL_ROWS: list[tuple[str, str, str]] = [  # (label, key in a run's totals, number format)
+    ("requests sent", "num_sent", "d"), ("requests failed", "num_failed", "d"),
+    ("completion tokens", "num_completion_tokens", "d"), ("expected tokens", "num_expected_tokens", "d"),
+    ("short outputs", "num_short", "d"), ("exact", "is_exact", "s"),
+]
+SUSTAINED_ROWS: list[tuple[str, str, str]] = [  # W6: (label, key in a run's "sustained", number format)
+    ("loop output tok/s", "output_tok_s", ".1f"), ("steady ratio", "steady_ratio", ".3f"),
+    ("first output tok/s", "first_output_tok_s", ".1f"), ("last output tok/s", "last_output_tok_s", ".1f"),
+]
 LOWER_IS_BETTER = ("ttft", "tpot", "itl", "e2e", "num_errors", "duration_s")
 
 
@@ -32,6 +41,8 @@ def lookup(figures: dict[str, Any], path: str) -> Any:
 def _cell(value: Any, fmt: str) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
+    if fmt == "s":
+        return {True: "yes", False: "NO"}.get(value, str(value))
     return format(value, fmt) if fmt != "d" else str(int(value))
 
 
@@ -52,6 +63,10 @@ def table(runs: list[dict[str, Any]], with_ratios: bool = False) -> str:
     for kind in errors:
         lines.append([f"  {kind}", *[str(r["figures"]["errors"].get(kind, 0)) for r in runs]]
                      + (["-"] * (len(runs) - 1) if with_ratios else []))
+    lines += _total_lines(runs, with_ratios)
+    if any("sustained" in r for r in runs):
+        lines += [[label, *[_cell((r.get("sustained") or {}).get(key), fmt) for r in runs],
+                   *(["-"] * (len(runs) - 1) if with_ratios else [])] for label, key, fmt in SUSTAINED_ROWS]
     widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
     out = []
     for n, row in enumerate(lines):
@@ -59,6 +74,18 @@ def table(runs: list[dict[str, Any]], with_ratios: bool = False) -> str:
         if n == 0:
             out.append("  ".join("-" * w for w in widths))
     return "\n".join(out)
+
+
+def _total_lines(runs: list[dict[str, Any]], with_ratios: bool) -> list[list[str]]:
+    """The totals rows (runs without totals, e.g. older result files, show "-"), then finish reasons."""
+    pad = ["-"] * (len(runs) - 1) if with_ratios else []
+    lines = [[label, *[_cell((r.get("totals") or {}).get(key), fmt) for r in runs], *pad]
+             for label, key, fmt in TOTAL_ROWS]
+    reasons = sorted({k for r in runs for k in (r.get("totals") or {}).get("finish_reasons", {})})
+    for reason in reasons:
+        lines.append([f"  finish {reason}",
+                      *[str((r.get("totals") or {}).get("finish_reasons", {}).get(reason, 0)) for r in runs], *pad])
+    return lines
 
 
 def result_record(command: str, workload: str, settings: dict[str, Any], target: dict[str, Any],

@@ -1,14 +1,20 @@
-"""Drives one run: open-loop arrivals (or a concurrency cap), sessions turn by turn, a progress bar."""
+"""Drives one run: open-loop arrivals (or a concurrency cap), sessions turn by turn, a progress bar; or W6's
+closed loop at a fixed concurrency, sampled over time."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import resource
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import aiohttp
 
+from radixserve.bench import scrape, timeline
 from radixserve.bench.client import Target, send
 from radixserve.bench.metrics import RequestRecord
 from radixserve.bench.workloads import IdPrompts, RequestSpec, SessionSpec, TextPrompts, Workload
@@ -71,6 +77,87 @@ async def run(workload: Workload, target: Target, arrivals: list[float], maker: 
     records.sort(key=lambda r: r.index)
     first = min((r.start_s for r in records), default=0.0)
     return records, (max(ends, default=first) - first)
+
+
+def raise_open_files_limit() -> None:
+    """A thousand streams need a thousand sockets: lift the soft limit on open files to the hard one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = 65536 if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < target:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
+FAILURE_PAUSE_S = 0.5  # a closed loop waits this long after a failed request, so a dead server is not flooded
+
+
+class _LiveCounts:
+    def __init__(self) -> None:
+        self.num_tokens = self.num_finished = self.num_in_flight = 0
+
+    def add_tokens(self, num: int) -> None:
+        self.num_tokens += num
+
+    def snapshot(self, t_s: float, server: dict[str, float | None]) -> timeline.Snapshot:
+        return timeline.Snapshot(t_s, self.num_tokens, self.num_finished, self.num_in_flight, server)
+
+
+async def run_closed_loop(source: Callable[[int], RequestSpec], target: Target, concurrency: int,
+                          duration_s: float, sample_interval_s: float,
+                          is_progress: bool = True) -> tuple[list[RequestRecord], float, list[dict[str, Any]]]:
+    """W6: `concurrency` loops, each sending source(i) for the next i as soon as its previous request ends,
+    until duration_s; requests still in flight then run to their end, so every request is accounted for.
+
+    Every sample_interval_s, and at duration_s, the client's counts are read and the server's /metrics is
+    scraped (timeline.window_row). Returns the records by index, the duration (first send to last answer)
+    and the window rows.
+    """
+    counts = _LiveCounts()
+    records: list[RequestRecord] = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+        snapshots = [counts.snapshot(0.0, await scrape.fetch_server_series(http, target.base_url, target.headers))]
+        start = time.perf_counter()
+        deadline, indices = start + duration_s, itertools.count()
+
+        async def loop() -> None:
+            while time.perf_counter() < deadline:
+                index = next(indices)
+                counts.num_in_flight += 1
+                record = await send(http, target, source(index), index, start, counts.add_tokens)
+                counts.num_in_flight -= 1
+                counts.num_finished += 1
+                records.append(record)
+                if not record.is_ok:
+                    await asyncio.sleep(FAILURE_PAUSE_S)
+
+        async def sample() -> None:
+            for k in itertools.count(1):
+                t_s = min(k * sample_interval_s, duration_s)
+                await asyncio.sleep(max(0.0, start + t_s - time.perf_counter()))
+                now_s = time.perf_counter() - start
+                taken = counts.snapshot(now_s, {})
+                server = await scrape.fetch_server_series(http, target.base_url, target.headers)
+                snapshots.append(replace(taken, server=server))
+                if is_progress:
+                    print(_sample_line(timeline.window_row(snapshots[-2], snapshots[-1])), file=sys.stderr)
+                if t_s >= duration_s:
+                    return
+
+        await asyncio.gather(sample(), *[loop() for _ in range(concurrency)])
+    records.sort(key=lambda r: r.index)
+    ends = [r.start_s + (r.e2e_s or 0.0) for r in records]
+    return records, max(ends, default=0.0), timeline.rows(snapshots)
+
+
+def _sample_line(row: dict[str, Any]) -> str:
+    def show(key: str, fmt: str) -> str:
+        value = row.get(key)
+        return "-" if value is None else format(value, fmt)
+
+    return (f"[{row['t_end_s']:7.1f}s] {show('output_tok_s', '.1f')} out tok/s, {row['num_finished']} finished, "
+            f"{row['num_in_flight']} in flight; server: kv {show('kv_cache_usage_perc', '.3f')}, "
+            f"hit rate {show('hit_rate', '.3f')}, running {show('num_requests_running', '.0f')}, "
+            f"waiting {show('num_requests_waiting', '.0f')}, preemptions {show('num_preemptions', '.0f')}")
 
 
 async def _session(one, session: SessionSpec, session_index: int, maker: IdPrompts | TextPrompts,

@@ -1,4 +1,4 @@
-"""The canonical workloads W0–W5, custom lengths and JSONL traces, as requests of exact token lengths (pure).
+"""The canonical workloads W0–W6, custom lengths and JSONL traces, as requests of exact token lengths (pure).
 
 Prompts are token ids for /v1/completions by default (any model, random:* included), or text made
 with a tokenizer and re-encoded to check its length (completions, or chat messages with --chat).
@@ -16,8 +16,8 @@ import numpy as np
 Prompt = list[int] | str
 
 ALIASES = {"hf-parity": "w0", "decode-heavy": "w1", "shared-prefix": "w2", "online": "w3", "pd-mix": "w4",
-           "multi-turn": "w5"}
-WORKLOADS = ("w0", "w1", "w2", "w3", "w4", "w5", "custom")
+           "multi-turn": "w5", "sustained": "w6"}
+WORKLOADS = ("w0", "w1", "w2", "w3", "w4", "w5", "w6", "custom")
 MIN_ID_TOKEN = 1000  # random token ids start here, above the special tokens of common vocabularies
 
 
@@ -30,14 +30,14 @@ class Settings:
     output_len: int | None = None  # W3: the mean
     num_groups: int | None = None
     per_group: int | None = None
-    prefix_len: int | None = None  # W2 / W5 shared system prompt tokens
+    prefix_len: int | None = None  # W2 / W5 / W6 shared system prompt tokens
     variant: str = "shared"  # W2: shared | random system prompts
     long_input_len: int | None = None
     long_output_len: int | None = None
     long_fraction: float | None = None
     num_sessions: int | None = None
     turns: int | None = None
-    sigma: float = 0.8  # W3 log-normal shape (larger: longer tail)
+    sigma: float = 0.8  # W3 / W6 log-normal shape (larger: longer tail)
 
 
 DEFAULTS: dict[str, dict[str, Any]] = {
@@ -48,6 +48,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "w4": dict(num_requests=100, input_len=256, output_len=256, long_input_len=8192, long_output_len=256,
                long_fraction=0.1),
     "w5": dict(num_sessions=32, turns=5, prefix_len=1024, input_len=128, output_len=128),
+    "w6": dict(num_groups=32, prefix_len=1024, input_len=250, output_len=200),
     "custom": dict(num_requests=100, input_len=128, output_len=128),
 }
 
@@ -209,7 +210,35 @@ def build(workload: str, settings: Settings, maker: IdPrompts | TextPrompts, see
                                 [] if maker.is_text else [maker.make(s.output_len, rng) for _ in range(s.turns)])
                     for _ in range(s.num_sessions)]
         return Workload(workload, sessions=sessions)
+    if workload == "w6":
+        raise ValueError("w6 is a closed loop without a fixed list of requests: use Sustained")
     raise ValueError(f"unknown workload {workload!r}; one of {', '.join(WORKLOADS)} or a trace")
+
+
+class Sustained:
+    """W6: an endless request source for a closed loop; request i depends on (seed, salt, i) alone.
+
+    Even-numbered requests are one of num_groups shared system prompts (prefix_len tokens) and a question;
+    odd-numbered ones are a prompt of their own. Question / prompt and output lengths are chat-like:
+    log-normal with means input_len / output_len and shape sigma, capped at 10x the mean.
+    """
+
+    def __init__(self, settings: Settings, maker: IdPrompts | TextPrompts, seed: int, salt: int = 0,
+                 is_chat: bool = False) -> None:
+        self.settings, self.maker, self.seed, self.salt, self.is_chat = settings, maker, seed, salt, is_chat
+        rng = np.random.default_rng([seed, 1 + salt])
+        self.prefixes = [maker.make(settings.prefix_len, rng) for _ in range(settings.num_groups)]
+
+    def request(self, index: int) -> RequestSpec:
+        s = self.settings
+        lengths = np.random.default_rng([self.seed, 0, index])
+        rng = np.random.default_rng([self.seed, 1 + self.salt, index])
+        num_in = int(lognormal_lengths(1, s.input_len, s.sigma, lengths)[0])
+        num_out = int(lognormal_lengths(1, s.output_len, s.sigma, lengths)[0])
+        parts = [self.maker.make(num_in, rng)]
+        if index % 2 == 0:
+            parts.insert(0, self.prefixes[int(lengths.integers(s.num_groups))])
+        return _request(self.maker, parts, num_out, self.is_chat, rng)
 
 
 def _shared_prefix(s: Settings, maker: IdPrompts | TextPrompts, rng: np.random.Generator,

@@ -2,7 +2,8 @@
 
 The fake streams `max_tokens` one-token chunks: the first after TTFT_S, the rest TOKEN_GAP_S apart, then
 the usage chunk (cached_tokens = half the prompt) and [DONE]. Script by the first prompt token id:
-429 → HTTP 429 at once; 500 → an error event after the first token; anything else → normal.
+429 → HTTP 429 at once; 500 → an error event after the first token; anything else → normal. With
+has_metrics, /metrics exports W6's worker series for one worker: every prompt token queried, half of them hits.
 """
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
-from radixserve.bench import runner
+from radixserve.bench import runner, workloads
 from radixserve.bench.client import Target
 from radixserve.bench.main import run_bench
-from radixserve.bench.metrics import summarize
+from radixserve.bench.metrics import summarize, totals
 from radixserve.bench.workloads import IdPrompts, RequestSpec, Workload
 from radixserve.cli import build_parser
 
@@ -28,14 +29,17 @@ pytestmark = pytest.mark.asyncio
 
 
 class FakeServer:
-    def __init__(self) -> None:
+    def __init__(self, has_metrics: bool = False) -> None:
         self.num_in_flight = self.max_in_flight = 0
+        self.num_prompt_tokens = 0
         self.bodies: list[dict] = []
         self.port = _free_port()
         self.app = web.Application()
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_post("/v1/chat/completions", self.completions)
         self.app.router.add_get("/v1/models", self.models)
+        if has_metrics:
+            self.app.router.add_get("/metrics", self.metrics)
         self.runner = web.AppRunner(self.app)
 
     @property
@@ -49,9 +53,17 @@ class FakeServer:
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
 
+    async def metrics(self, request: web.Request) -> web.Response:
+        text = "".join(f'radixserve_{name}{{worker_id="w0"}} {value}\n' for name, value in (
+            ("kv_cache_usage_perc", 0.5), ("num_requests_running", self.num_in_flight),
+            ("prefix_cache_queries_total", self.num_prompt_tokens),
+            ("prefix_cache_hits_total", self.num_prompt_tokens / 2)))
+        return web.Response(text=text)
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        self.num_prompt_tokens += len(body.get("prompt") or [])
         is_chat = "messages" in body
         prompt = body.get("prompt") or [0] * 8
         if prompt[0] == 429:
@@ -99,6 +111,14 @@ def _free_port() -> int:
 @pytest_asyncio.fixture
 async def fake():
     server = FakeServer()
+    await server.start()
+    yield server
+    await server.runner.cleanup()
+
+
+@pytest_asyncio.fixture
+async def fake_with_metrics():
+    server = FakeServer(has_metrics=True)
     await server.start()
     yield server
     await server.runner.cleanup()
@@ -156,7 +176,6 @@ async def test_concurrency_cap_and_arrival_schedule(fake):
 
 
 async def test_sessions_carry_their_history(fake):
-    from radixserve.bench import workloads
     settings = workloads.resolve("w5", workloads.Settings(num_sessions=2, turns=3, prefix_len=5, input_len=2,
                                                           output_len=2))
     work = workloads.build("w5", settings, IdPrompts(32000), seed=0)
@@ -195,3 +214,61 @@ async def test_command_writes_json_plots_and_compares(fake, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "1.00x" in out and (tmp_path / "cmp_cdf.png").exists()
     assert not math.isnan(record["runs"][0]["figures"]["ttft"]["p50_ms"])
+
+
+def _w6_source(seed: int = 0) -> workloads.Sustained:
+    settings = workloads.resolve("w6", workloads.Settings(num_groups=2, prefix_len=6, input_len=4, output_len=3))
+    return workloads.Sustained(settings, IdPrompts(32000), seed)
+
+
+async def test_closed_loop_holds_its_concurrency_and_accounts_for_every_request(fake):
+    source = _w6_source()
+    records, _, rows = await runner.run_closed_loop(source.request, Target(fake.url, MODEL), concurrency=3,
+                                                    duration_s=0.6, sample_interval_s=0.2, is_progress=False)
+    assert fake.max_in_flight == 3 and len(records) == len(fake.bodies) >= 3
+    assert [r.index for r in records] == list(range(len(records)))
+    assert sorted(b["prompt"] for b in fake.bodies) == sorted(source.request(i).prompt for i in range(len(records)))
+    assert [r.max_tokens for r in records] == [source.request(i).max_tokens for i in range(len(records))]
+    result = totals(records, is_ignore_eos=True)
+    assert result["is_exact"] is True and result["num_failed"] == 0
+    assert result["num_completion_tokens"] == result["num_expected_tokens"] == sum(r.max_tokens for r in records)
+    assert result["finish_reasons"] == {"length": len(records)}
+    assert len(rows) == 3 and rows[-1]["t_end_s"] >= 0.6
+    assert [r["t_start_s"] for r in rows[1:]] == [r["t_end_s"] for r in rows[:-1]]
+    assert sum(r["num_output_tokens"] for r in rows) <= result["num_completion_tokens"]
+    assert all(r[k] is None for r in rows for k in ("kv_cache_usage_perc", "hit_rate", "num_preemptions"))
+
+
+async def test_closed_loop_samples_the_server_series(fake_with_metrics):
+    records, _, rows = await runner.run_closed_loop(_w6_source().request, Target(fake_with_metrics.url, MODEL), 2,
+                                                    duration_s=0.4, sample_interval_s=0.2, is_progress=False)
+    assert len(rows) == 2 and all(r.is_ok for r in records)
+    assert all(r["kv_cache_usage_perc"] == 0.5 and r["num_preemptions"] is None for r in rows)
+    assert sum(r["prefix_cache_queries"] for r in rows) <= fake_with_metrics.num_prompt_tokens
+    assert [r["hit_rate"] for r in rows if r["prefix_cache_queries"]] == [0.5] * sum(
+        1 for r in rows if r["prefix_cache_queries"])
+    assert any(r["prefix_cache_queries"] for r in rows)
+
+
+async def test_w6_command_writes_series_totals_and_a_timeline(fake_with_metrics, tmp_path, capsys):
+    argv = ["bench", "--base-url", fake_with_metrics.url, "--workload", "sustained", "--duration-s", "0.6",
+            "--sample-interval-s", "0.2", "--concurrency", "2", "--num-groups", "2", "--prefix-len", "6",
+            "--input-len", "4", "--output-len", "3", "--out-dir", str(tmp_path), "--name", "w6run",
+            "--request-detail", "none", "--no-progress"]
+    assert await asyncio.to_thread(run_bench, build_parser().parse_args(argv), argv[1:]) == 0
+    record = json.loads((tmp_path / "w6run.json").read_text())
+    run = record["runs"][0]
+    assert record["workload"] == "w6" and record["settings"]["duration_s"] == 0.6
+    assert record["settings"]["concurrency"] == 2 and record["settings"]["request_detail"] == "none"
+    assert run["requests"] == [] and len(run["samples"]) == 3
+    assert run["totals"]["is_exact"] is True and run["totals"]["num_sent"] == len(fake_with_metrics.bodies)
+    assert run["figures"]["num_requests"] == run["totals"]["num_sent"]
+    assert run["sustained"]["steady_basis"].startswith("first and last 20 %")
+    assert run["sustained"]["steady_num_samples"] == 1 and run["sustained"]["concurrency"] == 2
+    assert (tmp_path / "w6run_timeline.png").stat().st_size > 0
+    out = capsys.readouterr().out
+    assert "steady ratio" in out and "exact" in out
+    argv = ["bench", "--compare", str(tmp_path / "w6run.json"), str(tmp_path / "w6run.json"),
+            "--out-dir", str(tmp_path), "--name", "cmp"]
+    assert run_bench(build_parser().parse_args(argv), argv[1:]) == 0
+    assert (tmp_path / "cmp_timeline.png").stat().st_size > 0 and not (tmp_path / "cmp_cdf.png").exists()
