@@ -20,11 +20,19 @@ class TokenizerConfig:
     max_requests: int = field(
         default=16384, metadata={"help": "requests in flight here; beyond, 429 with Retry-After. A memory guard, not "
                                          "a queue (the scheduler queues): the default admits a burst of 16,000"})
-    scheduler_ping_interval_s: float = field(default=0.25,
+    scheduler_ping_interval_s: float = field(default=0.5,
                                              metadata={"help": "seconds between liveness pings to each scheduler"})
     scheduler_timeout_s: float = field(
-        default=1.0, metadata={"help": "a scheduler silent this long is lost: new requests go to the others and "
-                                       "its own are handed over or re-sent"})
+        default=5.0, metadata={"help": "a scheduler silent this long is lost: new requests go to the others and "
+                                       "its own are handed over or re-sent. Long enough for a busy one: a ping "
+                                       "waits behind every message ahead of it on the scheduler's socket (a burst "
+                                       "of 1,000 requests, each with a Redis lookup, kept one silent over 1 s). "
+                                       "One whose socket is not connected is lost at once"})
+    scheduler_give_up_s: float = field(
+        default=30.0, metadata={"help": "with no other scheduler live, requests of a silent one wait this long for "
+                                        "it to answer again before they fail with 503 (it may only be busy: if it "
+                                        "answers as the same incarnation it still holds them, and nothing is "
+                                        "re-sent)"})
     max_resends: int = field(
         default=1, metadata={"help": "times a request that streamed nothing yet is re-sent after its scheduler or "
                                      "worker died (0: never; it fails with 503)"})
@@ -33,6 +41,8 @@ class TokenizerConfig:
     def __post_init__(self) -> None:
         if not 0 < self.scheduler_ping_interval_s < self.scheduler_timeout_s:
             raise ValueError("scheduler_ping_interval_s must be > 0 and shorter than scheduler_timeout_s")
+        if self.scheduler_give_up_s < 0:
+            raise ValueError("scheduler_give_up_s must be >= 0")
         if self.max_resends < 0 or self.max_requests < 1:
             raise ValueError("max_resends must be >= 0 and max_requests >= 1")
 

@@ -3,8 +3,9 @@
 Schedulers are pinged (StatusRequest) every scheduler_ping_interval_s. One that cannot be reached or stays silent
 for scheduler_timeout_s is lost (and one that answers with a new incarnation has forgotten its requests): new
 requests go to the live ones, and at the next ping each request it had is handed over (AdoptRequest) if it runs on
-a worker (RequestRouted or tokens came), else re-sent. A request whose worker died before it streamed anything is
-re-sent too; each request at most max_resends times.
+a worker (RequestRouted or tokens came), else re-sent. A silent one may only be busy: while no other is live, its
+requests stay with it for scheduler_give_up_s, and are its own again if it answers as the same incarnation. A
+request whose worker died before it streamed anything is re-sent too; each request at most max_resends times.
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ log = structlog.get_logger(__name__)
 MIN_THREADED_PROMPT_CHARS = 4096  # longer prompts are tokenized off the event loop
 MAX_TOKEN_ID = (1 << 32) - 1  # block hashes pack ids as uint32
 MAX_REMEMBERED_ABORTS = 65_536
+SILENT = "stopped answering"  # the reason a scheduler that is still connected is lost
 
 
 class PromptError(ValueError):
@@ -62,7 +64,8 @@ class SchedulerLink:
     sock: zmq.asyncio.Socket
     last_seen_s: float  # monotonic: its last StatusReply (or start-up)
     is_live: bool = True
-    epoch: int = 0  # one more at each loss or restart: requests sent before then are orphans
+    epoch: int = 0  # one more at each loss, give-up or restart: requests sent before then are orphans
+    silent_since_s: float | None = None  # monotonic: lost for silence, not given up yet (its requests wait for it)
     has_answered: bool = False
     incarnation: str = ""
     version: int = 1  # its protocol version: AdoptRequest needs 2
@@ -331,7 +334,7 @@ class TokenizerService(Actor):
         if len(self._aborted) > MAX_REMEMBERED_ABORTS:
             self._aborted.popitem(last=False)
         for link in self.links:
-            if link.is_live:
+            if link.is_live or link.silent_since_s is not None:  # a silent one may still hold the request
                 await self._send_to(link, abort)
 
     # schedulers: liveness, sending, handing requests over
@@ -342,21 +345,27 @@ class TokenizerService(Actor):
         return handle
 
     async def _ping(self) -> None:
-        """Lose the live schedulers that stopped answering, re-home the requests of lost ones, and ping every
-        scheduler (a lost one comes back by answering)."""
+        """Lose the live schedulers that stopped answering, give up on silent ones, re-home the requests of lost
+        ones, and ping every scheduler (a lost one comes back by answering)."""
         now_s = time.monotonic()
         for link in self.links:
             if link.is_live and now_s - link.last_seen_s > self.config.scheduler_timeout_s:
-                self._lose(link, "stopped answering")
+                self._lose(link, SILENT)
+        self._settle_silent(now_s)
         # NOTE: re-homed here, not at the loss: RequestRouted sent just before a kill is read by now.
         await self._rehome_orphans()
         for link in self.links:
             await self._send_to(link, StatusRequest())
 
     async def _on_status(self, link: SchedulerLink, reply: StatusReply) -> None:
-        if link.incarnation and reply.incarnation != link.incarnation and link.is_live:
+        was_silent, link.silent_since_s = link.silent_since_s is not None, None
+        if link.incarnation and reply.incarnation != link.incarnation and (link.is_live or was_silent):
             log.warning("scheduler restarted; its requests are handed over or re-sent", addr=link.addr)
             link.epoch += 1
+        elif was_silent and (num_kept := self._num_requests(link)):
+            # NOTE: same incarnation: it still holds what it had (their epoch is still its own); a re-send would
+            # make it route a request twice.
+            log.info("scheduler answers again; its requests were kept", addr=link.addr, num_requests=num_kept)
         link.last_seen_s = time.monotonic()
         link.has_answered, link.incarnation, link.version = True, reply.incarnation, reply.version
         if not link.is_live:
@@ -364,15 +373,45 @@ class TokenizerService(Actor):
             log.info("scheduler live", addr=link.addr, incarnation=reply.incarnation or None)
 
     def _lose(self, link: SchedulerLink, reason: str) -> None:
+        """No new requests go to link. One lost for silence keeps its requests until _settle_silent gives up on it;
+        one that cannot be reached (its socket is not connected) is gone at once."""
         if not link.is_live:
+            if link.silent_since_s is not None and reason != SILENT:
+                self._give_up(link, reason)
             return
         link.is_live = False
-        link.epoch += 1
-        num_requests = sum(s.scheduler is link for s in self.requests.values())
+        num_requests = self._num_requests(link)
         if link.has_answered or num_requests:
             log.warning("scheduler lost", addr=link.addr, reason=reason, num_requests=num_requests)
         else:
             log.info("scheduler not up yet", addr=link.addr, reason=reason)
+        if reason == SILENT:
+            link.silent_since_s = time.monotonic()
+        else:
+            link.epoch += 1
+
+    def _settle_silent(self, now_s: float) -> None:
+        """Give up on each silent scheduler whose requests another live one can take, or that stayed silent for
+        scheduler_give_up_s: its requests become orphans. Until then they wait for it, neither re-sent nor failed
+        (it may only be busy, and a re-sent request would be routed twice)."""
+        has_live = any(link.is_live for link in self.links)
+        for link in self.links:
+            if link.silent_since_s is None:
+                continue
+            if has_live:
+                self._give_up(link, "another scheduler is live")
+            elif now_s - link.silent_since_s >= self.config.scheduler_give_up_s:
+                self._give_up(link, f"silent for scheduler_give_up_s ({self.config.scheduler_give_up_s} s)")
+
+    def _give_up(self, link: SchedulerLink, reason: str) -> None:
+        link.silent_since_s = None
+        link.epoch += 1
+        num_requests = self._num_requests(link)
+        if num_requests:
+            log.warning("silent scheduler given up", addr=link.addr, reason=reason, num_requests=num_requests)
+
+    def _num_requests(self, link: SchedulerLink) -> int:
+        return sum(s.scheduler is link for s in self.requests.values())
 
     async def _rehome_orphans(self) -> None:
         """Requests of a lost or restarted scheduler, and those running on a worker that no scheduler took over:

@@ -23,7 +23,7 @@ from tests.reliability.cluster import MODEL, Cluster, Service, completion, sched
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 HEARTBEAT_TIMEOUT_S = 1.0
-SCHEDULER_TIMEOUT_S = 1.0  # the tokenizers' default --scheduler-timeout-s
+SCHEDULER_TIMEOUT_S = 5.0  # the tokenizers' default --scheduler-timeout-s
 REQUEST_TIMEOUT_S = 20.0
 PAGE = 16
 TOTAL_PAGES = 255  # --num-pages 256, one page reserved
