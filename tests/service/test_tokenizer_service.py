@@ -258,3 +258,26 @@ def test_garbage_frames_do_not_kill_the_service(peers: Peers) -> None:
     peers.generate("after-junk", prompt_text="Hi")
     assert peers.tokenized("after-junk").prompt_token_ids == [26843]
     assert peers.process.poll() is None
+
+
+def test_a_burst_of_chunks_to_a_lagging_gateway_loses_no_token(peers: Peers) -> None:
+    """Issue 24: 64 streams, 50 engine steps of one token each (special ids among them) pushed while the gateway
+    reads nothing: 3,200 chunks, past ZeroMQ's default 1,000 + 1,000 queue. A ROUTER that drops what it cannot
+    queue lost whole chunks, so usage counts came out short with finish "length" and no error."""
+    num_requests, num_steps = 64, 50
+    ids = [f"burst-{i}" for i in range(num_requests)]
+    for request_id in ids:
+        peers.generate(request_id, prompt_token_ids=[5, 6, 7],
+                       sampling=SamplingSpec(max_tokens=num_steps, ignore_eos=True))
+    for request_id in ids:
+        peers.tokenized(request_id)
+    step_ids = [IM_END if step % 7 == 0 else 1 if step % 11 == 0 else 1000 + step for step in range(num_steps)]
+    for step, token_id in enumerate(step_ids):
+        reason = "length" if step == num_steps - 1 else None
+        outs = [TokenOutputs(request_id, 0, [token_id], None, reason, 3, 0) for request_id in ids]
+        peers.worker.send(encode(TokenBatch("w0", outs)))
+    time.sleep(2.0)  # the tokenizer handles every batch (or waits on the gateway) before the gateway reads
+    for request_id in ids:
+        chunks = peers.chunks(request_id)
+        assert [t for c in chunks for t in c.token_ids] == step_ids
+        assert chunks[-1].finish_reason == "length"

@@ -57,7 +57,7 @@ class PageServer:
             await self._send(chunk, identity)
 
     async def _send(self, chunk: PagesChunk, identity: bytes | None) -> None:
-        await self._sock.send_multipart([identity or b"", encode(chunk)])
+        await transport.send(self._sock, chunk, identity or b"")
 
     def close(self) -> None:
         self._sock.close(linger=0)
