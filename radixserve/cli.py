@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--device", default="auto")
     gen.add_argument("--dtype", default="auto")
-    bench = sub.add_parser("bench", help="benchmark an OpenAI-compatible server (workloads W0-W5, a trace); "
+    bench = sub.add_parser("bench", help="benchmark an OpenAI-compatible server (workloads W0-W6, a trace); "
                                          "the engine without HTTP: python -m bench.engine_offline")
     from radixserve.bench.main import add_bench_arguments
     add_bench_arguments(bench)
