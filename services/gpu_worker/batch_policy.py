@@ -33,6 +33,7 @@ class ScheduledItem:
 class StepPlan:
     items: list[ScheduledItem] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)  # taken from the waiting queue by this plan
 
     @property
     def num_tokens(self) -> int:
@@ -110,6 +111,7 @@ class BatchPolicy:
                 deferred.append(seq)
                 continue
             plan.items.append(item)
+            plan.admitted.append(seq)
             budget -= item.num_new_tokens
             if self.cache.is_enabled:
                 in_flight.update(self._block_hashes(seq)[seq.num_computed // self.page_size:])

@@ -150,7 +150,6 @@ class Engine:
         self._handoffs: list[Handoff] = []
         self._next_seq_id = 0
         self._num_steps = 0
-        self._num_forward_tokens = 0  # tokens the last _forward ran through the model
         self.metrics = EngineMetricsRecorder()
         self.is_overlapped = config.resolved_overlap()
         self._launched: LaunchedStep | None = None
@@ -356,10 +355,8 @@ class Engine:
         if previous is not None and previous.needs_history:
             outputs += self._resolve(previous, now)
             previous = self._launched = None
-        num_running = len(self.policy.running)
         plan = self.policy.schedule(now)
-        if plan.items:
-            self._record_admitted(plan, num_running, now)
+        self._record_admitted(plan, now)
         launched = self._launch(plan, now) if plan.items else None
         if previous is not None:
             outputs += self._resolve(previous, now)
@@ -371,19 +368,12 @@ class Engine:
             outputs += self._resolve(launched, now)
             self._launched = None
         if plan.items:
-            self.metrics.on_step(self._num_forward_tokens, len(plan.items), time.perf_counter() - started_s)
+            self.metrics.on_step(plan.num_tokens, len(plan.items), time.perf_counter() - started_s)
         return outputs
 
-    def _record_admitted(self, plan: StepPlan, num_running_before: int, now: float) -> None:
-        """Count the sequences this plan admits for the first time (prompt, prefix-cache match, queue time).
-
-        The policy appends admitted sequences to both `running` and the plan's items, after the running ones,
-        and its preempted ones leave `running`: so the admitted are the plan's last items, this many of them.
-        O(admitted), not O(batch).
-        """
-        num_admitted = len(self.policy.running) - num_running_before + len(plan.preempted)
-        for item in plan.items[max(len(plan.items) - num_admitted, 0):] if num_admitted > 0 else ():
-            seq = item.seq
+    def _record_admitted(self, plan: StepPlan, now: float) -> None:
+        """Count the sequences this plan admits for the first time (prompt, prefix-cache match, queue time)."""
+        for seq in plan.admitted:
             if seq.num_preemptions == 0 and seq.num_output_tokens == 0:  # not a re-admission, not a PD import
                 self.metrics.on_first_admission(seq.num_prompt_tokens, seq.num_cached_tokens, now - seq.arrival)
 
@@ -471,7 +461,6 @@ class Engine:
             pending = [(i, item.seq.pending_row) for i, item in enumerate(plan.items) if item.seq.num_pending]
             replayed = self.graphs.try_forward(plan.items, pending, self._previous_tokens() if pending else None)
             if replayed is not None:
-                self._num_forward_tokens = len(plan.items)  # a replay runs decodes only: one token each
                 return replayed
         input_ids, positions, slots, query_start, seq_lens = [], [], [], [0], []
         logit_rows = []
@@ -500,7 +489,6 @@ class Engine:
             query_start_host=query_start, seq_lens_host=seq_lens,
             max_query_len=max(item.num_new_tokens for item in plan.items), max_seq_len=max(seq_lens))
         ids = to_device(input_ids, torch.long, dev)
-        self._num_forward_tokens = query_start[-1]
         pending = [(query_start[i + 1] - 1, item.seq.pending_row) for i, item in enumerate(plan.items)
                    if item.seq.num_pending and seq_lens[i] == item.seq.num_tokens]
         self._feed_pending(pending, ids)
