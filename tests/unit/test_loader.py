@@ -199,3 +199,27 @@ def test_unpermute_qk_inverts_llama_cpp_permute(n_head: int) -> None:
     assert not torch.equal(permuted, w)
     assert torch.equal(unpermute_qk(permuted, n_head), w)
     assert torch.equal(permuted[1], w[32]) and torch.equal(permuted[2], w[1])
+
+
+def _salt_specs(tmp_path: Path) -> list[str]:
+    cfg = PRESETS["tiny-llama"]
+    sd = random_state_dict(cfg, seed=0)
+    hub = write_hf_dir(tmp_path / "hub" / "models--Org--Tiny" / "snapshots" / "abc123", cfg, sd)
+    plain = write_hf_dir(tmp_path / "plain-tiny", cfg, sd)
+    return ["random:tiny-llama", str(hub), str(plain)]
+
+
+def test_tokenizer_and_loader_derive_the_same_salt(tmp_path: Path) -> None:
+    from services.tokenizer import model_files
+
+    ids = {spec: (model_files.model_id_for(spec), load_model(spec).config.model_id) for spec in _salt_specs(tmp_path)}
+
+    assert list(ids.values()) == [("random:tiny-llama",) * 2, ("Org/Tiny",) * 2, ("plain-tiny",) * 2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["bundled", "smollm2-135m-instruct"])
+def test_tokenizer_and_loader_derive_the_same_salt_for_the_bundled_model(spec: str) -> None:
+    from services.tokenizer import model_files
+
+    assert model_files.model_id_for(spec) == load_model(spec).config.model_id == "smollm2-135m-instruct"

