@@ -5,6 +5,8 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from shared.sampling import SamplingParams
+
 # Every message carries its sender's PROTOCOL_VERSION. Changes are additive: new fields have defaults (an older
 # receiver ignores them) and a new message type goes only to a peer that asked for it or said it knows it.
 # 1: the first protocol.
@@ -62,22 +64,8 @@ class KVEventBatch(msgspec.Struct, frozen=True, tag=True):
     version: int = PROTOCOL_VERSION
 
 
-class SamplingSpec(msgspec.Struct, frozen=True):
-    """Decoding settings as they travel (the engine's SamplingParams, with the same meanings)."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    stop_token_ids: list[int] = []
-    ignore_eos: bool = False
-    n: int = 1
-    logprobs: int | None = None
+# The former wire name of SamplingParams (shared/sampling.py), the one Struct that gateway, wire and engine share.
+SamplingSpec = SamplingParams
 
 
 class ChatMessage(msgspec.Struct, frozen=True):
@@ -93,7 +81,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, tag=True):
     """
 
     request_id: str
-    sampling: SamplingSpec
+    sampling: SamplingParams
     prompt_text: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
@@ -130,7 +118,7 @@ class TokenizedRequest(msgspec.Struct, frozen=True, tag=True):
     request_id: str
     prompt_token_ids: list[int]
     block_hashes: list[int]
-    sampling: SamplingSpec
+    sampling: SamplingParams
     reply_addr: str  # the tokenizer's PULL address for TokenBatch
     arrival_s: float
     deadline_s: float | None = None

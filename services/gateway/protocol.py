@@ -1,35 +1,33 @@
 """OpenAI request bodies → validated GenerateRequest, with OpenAI-shaped errors (pure: no I/O, no aiohttp)."""
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from shared.messages import ChatMessage, GenerateRequest, SamplingSpec
+from shared.messages import ChatMessage, GenerateRequest
+from shared.sampling import (Bound, SamplingError, SamplingParams, check_bound, check_token_ids, check_value, is_int,
+                             sampling_params, type_error)
 
-MAX_N = 16
 MAX_STOP = 4
-MAX_CHAT_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
-INT32_MAX = 2**31 - 1
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 # Accepted for compatibility; they do not change the output.
 _IGNORED = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
             "prompt_cache_retention", "prompt_cache_options", "reasoning_effort", "verbosity",
             "parallel_tool_calls", "moderation"}
-# radixserve (vLLM-style) extensions, on both endpoints.
-_EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens"}
-_COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "n", "stop",
-           "presence_penalty", "frequency_penalty", "logprobs", "seed", "logit_bias"}
-CHAT_PARAMS = frozenset(_COMMON | _EXTENSIONS | _IGNORED | {
+# Every SamplingParams field is a body parameter of both endpoints (OpenAI's, and vLLM-style extensions such as
+# top_k); those below the gateway reads itself (max_tokens, logprobs) or maps (top_k -1 → 0).
+_SAMPLING = frozenset(SamplingParams.__struct_fields__)
+_SAMPLING_SPECIAL = frozenset({"max_tokens", "logprobs"})
+_COMMON = _SAMPLING | {"model", "stream", "stream_options", "stop", "logit_bias", "skip_special_tokens"}
+CHAT_PARAMS = frozenset(_COMMON | _IGNORED | {
     "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
     "functions", "function_call", "audio", "prediction", "web_search_options", "modalities"})
-COMPLETION_PARAMS = frozenset(_COMMON | _EXTENSIONS | {"prompt", "best_of", "echo", "suffix", "user"})
+COMPLETION_PARAMS = frozenset(_COMMON | {"prompt", "best_of", "echo", "suffix", "user"})
 
 # Parameters we recognise but cannot honour: any value other than a neutral one is refused.
 _NEUTRAL: dict[str, Callable[[Any], bool]] = {
@@ -104,11 +102,11 @@ def parse_chat_request(body: Any, *, request_id: str, model_ids: Collection[str]
     """Validate a POST /v1/chat/completions body; raises ApiError on the first problem found."""
     body = _check_envelope(body, CHAT_PARAMS, model_ids, required="messages")
     messages = parse_messages(body["messages"])
-    max_tokens = _int(body, "max_completion_tokens", 1, INT32_MAX, _int(body, "max_tokens", 1, INT32_MAX,
-                                                                          default_max_tokens))
+    max_tokens = _field(body, "max_completion_tokens", "max_tokens",
+                        _field(body, "max_tokens", "max_tokens", default_max_tokens))
     _check_response_format(body.get("response_format"))
     is_logprobs = _bool(body, "logprobs", False)
-    top_logprobs = _int(body, "top_logprobs", 0, MAX_CHAT_TOP_LOGPROBS, None)
+    top_logprobs = _field(body, "top_logprobs", "logprobs", None)
     if top_logprobs is not None and not is_logprobs:
         raise ApiError(400, "Invalid value for 'top_logprobs': 'logprobs' must be true when 'top_logprobs' "
                             "is set.", param="top_logprobs", code="invalid_value")
@@ -123,10 +121,10 @@ def parse_completion_request(body: Any, *, request_id: str, model_ids: Collectio
     """Validate a POST /v1/completions body; raises ApiError on the first problem found."""
     body = _check_envelope(body, COMPLETION_PARAMS, model_ids, required="prompt")
     prompt_text, prompt_ids = parse_prompt(body["prompt"])
-    max_tokens = _int(body, "max_tokens", 1, INT32_MAX, 16)
+    max_tokens = _field(body, "max_tokens", "max_tokens", SamplingParams().max_tokens)
     logprobs = _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS, None)
     sampling = _sampling(body, max_tokens, logprobs)
-    best_of = _int(body, "best_of", 1, MAX_N, None)
+    best_of = _field(body, "best_of", "n", None)
     if best_of is not None and best_of != sampling.n:
         raise _unsupported("best_of")
     generate = GenerateRequest(request_id, sampling, prompt_text=prompt_text, prompt_token_ids=prompt_ids,
@@ -216,23 +214,14 @@ def _parsed(body: dict, generate: GenerateRequest, is_chat: bool) -> ParsedReque
     return ParsedRequest(generate, body["model"], is_chat, is_stream, include_usage)
 
 
-def _sampling(body: dict, max_tokens: int, logprobs: int | None) -> SamplingSpec:
-    top_k = _int(body, "top_k", -1, INT32_MAX, 0)
-    return SamplingSpec(
-        max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 0.0, 2.0, 1.0),
-        top_p=_number(body, "top_p", 0.0, 1.0, 1.0, is_lo_open=True),
-        top_k=max(top_k, 0),
-        min_p=_number(body, "min_p", 0.0, 1.0, 0.0),
-        presence_penalty=_number(body, "presence_penalty", -2.0, 2.0, 0.0),
-        frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0, 0.0),
-        repetition_penalty=_number(body, "repetition_penalty", 0.0, math.inf, 1.0, is_lo_open=True),
-        seed=_int(body, "seed", INT64_MIN, INT64_MAX, None),
-        stop_token_ids=_token_ids(body["stop_token_ids"], "stop_token_ids", allow_empty=True)
-        if body.get("stop_token_ids") is not None else [],
-        ignore_eos=_bool(body, "ignore_eos", False),
-        n=_int(body, "n", 1, MAX_N, 1),
-        logprobs=logprobs)
+def _sampling(body: dict, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """The body's sampling fields (null meaning the default), checked by SamplingParams' own bounds."""
+    values = {k: v for k, v in body.items() if k in _SAMPLING and k not in _SAMPLING_SPECIAL and v is not None}
+    try:
+        params = sampling_params({**values, "max_tokens": max_tokens, "logprobs": logprobs})
+    except SamplingError as exc:
+        raise _api_error(exc) from None
+    return msgspec.structs.replace(params, top_k=0) if params.top_k < 0 else params  # -1: OpenAI-style "off"
 
 
 def _check_response_format(value: Any) -> None:
@@ -291,44 +280,34 @@ def _text_part(part: Any, param: str) -> str:
     return text
 
 
-def _token_ids(value: Any, param: str, allow_empty: bool = False) -> list[int]:
-    if not isinstance(value, list):
-        raise _type_error(param, "an array of integers", value)
-    if not value and not allow_empty:
-        raise ApiError(400, f"Invalid '{param}': empty array.", param=param, code="empty_array")
-    for i, token_id in enumerate(value):
-        if not _is_int(token_id):
-            raise _type_error(f"{param}[{i}]", "an integer", token_id)
-        if not 0 <= token_id <= INT32_MAX:
-            raise ApiError(400, f"Invalid '{param}[{i}]': {token_id} is not a valid token id.",
-                           param=f"{param}[{i}]", code="invalid_value")
-    return list(value)
+def _token_ids(value: Any, param: str) -> list[int]:
+    try:
+        return check_token_ids(value, param)
+    except SamplingError as exc:
+        raise _api_error(exc) from None
 
 
-def _number(body: dict, name: str, lo: float, hi: float, default: float, is_lo_open: bool = False) -> float:
+def _field(body: dict, name: str, field: str, default: Any) -> Any:
+    """body[name] checked against the bounds of SamplingParams.<field>, or default if absent."""
     value = body.get(name)
     if value is None:
         return default
-    if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value):
-        raise _type_error(name, "a decimal", value)
-    if value < lo or (is_lo_open and value == lo):
-        bound = f"> {_fmt(lo)}" if is_lo_open else f">= {_fmt(lo)}"
-        raise _range_error(name, "decimal", "below minimum", bound, value)
-    if value > hi:
-        raise _range_error(name, "decimal", "above maximum", f"<= {_fmt(hi)}", value)
-    return float(value)
+    try:
+        return check_value(field, value, param=name)
+    except SamplingError as exc:
+        raise _api_error(exc) from None
 
 
 def _int(body: dict, name: str, lo: int, hi: int, default: Any) -> Any:
     value = body.get(name)
     if value is None:
         return default
-    if not _is_int(value):
+    if not is_int(value):
         raise _type_error(name, "an integer", value)
-    if value < lo:
-        raise _range_error(name, "integer", "below minimum", f">= {lo}", value)
-    if value > hi:
-        raise _range_error(name, "integer", "above maximum", f"<= {hi}", value)
+    try:
+        check_bound(name, value, Bound(lo, hi), "integer")
+    except SamplingError as exc:
+        raise _api_error(exc) from None
     return value
 
 
@@ -341,29 +320,12 @@ def _bool(body: dict, name: str, default: bool, prefix: str = "") -> bool:
     return value
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _fmt(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else str(x)
-
-
-def _json_type(value: Any) -> str:
-    names = {bool: "a boolean", int: "an integer", float: "a decimal", str: "a string", list: "an array",
-             dict: "an object", type(None): "null"}
-    return names.get(type(value), type(value).__name__)
-
-
 def _type_error(param: str, expected: str, value: Any) -> ApiError:
-    return ApiError(400, f"Invalid type for '{param}': expected {expected}, but got {_json_type(value)} instead.",
-                    param=param, code="invalid_type")
+    return _api_error(type_error(param, expected, value))
 
 
-def _range_error(param: str, kind: str, where: str, bound: str, value: Any) -> ApiError:
-    code = f"{kind}_{where.replace(' ', '_').replace('minimum', 'min').replace('maximum', 'max')}_value"
-    return ApiError(400, f"Invalid '{param}': {kind} {where} value. Expected a value {bound}, but got {value} "
-                         "instead.", param=param, code=code)
+def _api_error(exc: SamplingError) -> ApiError:
+    return ApiError(400, exc.message, param=exc.param, code=exc.code)
 
 
 def _unsupported(param: str) -> ApiError:

@@ -21,9 +21,9 @@ import structlog
 from services.gpu_worker.engine import Engine
 from services.gpu_worker.handoff import HandoffSettings, Handoffs, ImportDoneCommand
 from services.gpu_worker.kv_transfer.base import default_host_id
-from services.gpu_worker.request import SamplingParams, TokenOutput
+from services.gpu_worker.request import TokenOutput
 from shared.messages import (CacheSnapshot, EngineMetrics, GenerateError, HandoffAccepted, KVEventBatch, KVReady,
-                             PrefillRequest, ReleaseLease, RequestFinished, SamplingSpec, TokenBatch, TokenizedRequest,
+                             PrefillRequest, ReleaseLease, RequestFinished, TokenBatch, TokenizedRequest,
                              TokenLogprobEntry, TokenOutputs, TransferStats, WorkerLoad)
 
 log = structlog.get_logger(__name__)
@@ -99,15 +99,6 @@ class InFlight:
     num_prompt_tokens: int
     finished_indices: set[int] = field(default_factory=set)
     prefill: PrefillRequest | None = None  # PD prefill side: where the KV goes after the first token
-
-
-def sampling_params(spec: SamplingSpec) -> SamplingParams:
-    """The wire SamplingSpec as engine SamplingParams; ValueError for settings the engine refuses."""
-    return SamplingParams(max_tokens=spec.max_tokens, temperature=spec.temperature, top_k=spec.top_k,
-                          top_p=spec.top_p, min_p=spec.min_p, presence_penalty=spec.presence_penalty,
-                          frequency_penalty=spec.frequency_penalty, repetition_penalty=spec.repetition_penalty,
-                          seed=spec.seed, stop_token_ids=tuple(spec.stop_token_ids), ignore_eos=spec.ignore_eos,
-                          n=spec.n, logprobs=spec.logprobs)
 
 
 def token_outputs(out: TokenOutput) -> TokenOutputs:
@@ -253,7 +244,7 @@ class EngineLoop:
         if request.deadline_s is not None and self._clock() > request.deadline_s:
             return self._reject(request, 504, "timeout", "the request's deadline passed before it started")
         try:
-            params = sampling_params(request.sampling)
+            params = request.sampling.check()
             self.engine.add_request(request.request_id, request.prompt_token_ids, params,
                                     is_prefill_only=prefill is not None, arrival_s=request.arrival_s)
         except ValueError as exc:
@@ -273,7 +264,7 @@ class EngineLoop:
         if self.handoffs.was_aborted(request.request_id) or request.request_id in self._in_flight:
             return [Envelope(*self.handoffs.release_lease_of(ready))]
         try:
-            params = sampling_params(request.sampling)
+            params = request.sampling.check()
             envelopes = [Envelope(*e) for e in self.handoffs.start_import(ready, params)]
         except ValueError as exc:
             return [Envelope(*self.handoffs.release_lease_of(ready)),

@@ -328,8 +328,9 @@ def test_abort_of_a_waiting_n_request_ends_every_sample(worker: Worker) -> None:
 @pytest.mark.parametrize("prompt, sampling, message", [
     ([5, VOCAB], {}, f"prompt token ids must be in [0, {VOCAB})"),
     ([], {}, "the prompt is empty"),
-    ([5, 6], {"top_p": 0.0}, "top_p must be in (0, 1]"),
-    ([5, 6], {"max_tokens": 0}, "max_tokens must be >= 1"),
+    ([5, 6], {"top_p": 0.0}, "Invalid 'top_p': decimal below minimum value. Expected a value > 0, but got 0.0 instead."),
+    ([5, 6], {"max_tokens": 0},
+     "Invalid 'max_tokens': integer below minimum value. Expected a value >= 1, but got 0 instead."),
 ])
 def test_an_invalid_request_gets_400_and_the_worker_serves_on(worker: Worker, prompt: list[int],
                                                                sampling: dict, message: str) -> None:

@@ -10,7 +10,7 @@ import pytest
 from services.gpu_worker.engine import Engine
 from services.gpu_worker.engine_config import EngineConfig
 from services.gpu_worker.engine_loop import (AbortCommand, AddCommand, EngineLoop, Envelope, SnapshotCommand,
-                                             WorkerIdentity, sampling_params)
+                                             WorkerIdentity)
 from shared.messages import (CacheSnapshot, GenerateError, KVEventBatch, RequestFinished, SamplingSpec, TokenBatch,
                              TokenizedRequest)
 
@@ -102,14 +102,13 @@ def test_abort_of_an_unknown_request_sends_nothing(loop) -> None:
     assert {type(e.msg) for e in envelopes} <= {TokenBatch, KVEventBatch, RequestFinished}
 
 
-def test_sampling_params_carry_every_spec_field() -> None:
-    spec = SamplingSpec(max_tokens=7, temperature=0.5, top_p=0.9, top_k=4, min_p=0.1, presence_penalty=0.2,
-                        frequency_penalty=0.3, repetition_penalty=1.1, seed=3, stop_token_ids=[9, 10],
-                        ignore_eos=True, n=2, logprobs=1)
+def test_sampling_out_of_its_bounds_gets_400_from_the_struct_check(loop) -> None:
+    engine_loop, delivered = loop
+    request = TokenizedRequest("bad", [5, 6], [], SamplingSpec(top_p=0.0), REPLY, 99.0)
+    engine_loop.submit(AddCommand(request))
 
-    params = sampling_params(spec)
+    envelopes = _until_finished(delivered, "bad")
 
-    assert (params.max_tokens, params.temperature, params.top_p, params.top_k, params.min_p,
-            params.presence_penalty, params.frequency_penalty, params.repetition_penalty, params.seed,
-            params.stop_token_ids, params.ignore_eos, params.n, params.logprobs) == (
-        7, 0.5, 0.9, 4, 0.1, 0.2, 0.3, 1.1, 3, (9, 10), True, 2, 1)
+    assert [e.msg for e in envelopes if isinstance(e.msg, GenerateError)] == [GenerateError(
+        "bad", 400, "invalid_request_error",
+        "Invalid 'top_p': decimal below minimum value. Expected a value > 0, but got 0.0 instead.")]

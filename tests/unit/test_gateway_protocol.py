@@ -47,7 +47,7 @@ def test_chat_sampling_fields_map_to_sampling_spec() -> None:
                   stop=["a", "b"], skip_special_tokens=False, user="u", metadata={"k": "v"}, store=False)
     assert parsed.generate.sampling == SamplingSpec(
         max_tokens=7, temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, presence_penalty=-1.0,
-        frequency_penalty=1.5, repetition_penalty=1.2, seed=42, stop_token_ids=[2, 3], ignore_eos=True, n=3)
+        frequency_penalty=1.5, repetition_penalty=1.2, seed=42, stop_token_ids=(2, 3), ignore_eos=True, n=3)
     assert parsed.generate.stop == ["a", "b"]
     assert parsed.generate.skip_special_tokens is False
 

@@ -1,0 +1,158 @@
+"""The sampling parameters of a request, defined and validated once: the gateway builds them from a request body,
+the wire carries them, and the gpu_worker's engine samples with them.
+
+Each field's bounds sit beside it (`Annotated[..., Bound(...)]`); `check_value` and `SamplingParams.check` are the
+only validation, and their `SamplingError` carries an OpenAI-shaped message, param and code.
+"""
+from __future__ import annotations
+
+import math
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import msgspec
+
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_N = 16
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The closed range [lo, hi] a number must lie in; (lo, hi] when is_lo_open."""
+
+    lo: float
+    hi: float
+    is_lo_open: bool = False
+
+
+class SamplingError(ValueError):
+    """A sampling value of the wrong type or out of its bounds; the gateway answers it with an OpenAI 400."""
+
+    def __init__(self, param: str, message: str, code: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.message = message
+        self.code = code
+
+
+class SamplingParams(msgspec.Struct, frozen=True):
+    """Per-request decoding settings, with OpenAI/vLLM meanings; the wire form and the engine's.
+
+    temperature == 0 means greedy. top_k <= 0 and top_p == 1 and min_p == 0 disable those filters.
+    repetition_penalty (HF/CTRL style, 1 = off) divides positive / multiplies negative logits of tokens
+    seen in prompt or output; presence/frequency penalties (OpenAI style, 0 = off) apply to output tokens.
+    NOTE: field names and defaults are the wire format (protocol 1): rename or re-default none of them.
+    """
+
+    max_tokens: Annotated[int, Bound(1, INT32_MAX)] = 16
+    temperature: Annotated[float, Bound(0.0, 2.0)] = 1.0
+    top_p: Annotated[float, Bound(0.0, 1.0, is_lo_open=True)] = 1.0
+    top_k: Annotated[int, Bound(-1, INT32_MAX)] = 0
+    min_p: Annotated[float, Bound(0.0, 1.0)] = 0.0
+    presence_penalty: Annotated[float, Bound(-2.0, 2.0)] = 0.0
+    frequency_penalty: Annotated[float, Bound(-2.0, 2.0)] = 0.0
+    repetition_penalty: Annotated[float, Bound(0.0, math.inf, is_lo_open=True)] = 1.0
+    seed: Annotated[int | None, Bound(INT64_MIN, INT64_MAX)] = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    n: Annotated[int, Bound(1, MAX_N)] = 1
+    logprobs: Annotated[int | None, Bound(0, MAX_LOGPROBS)] = None  # None: none; k: the chosen token's + top k
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def check(self) -> SamplingParams:
+        """self, or SamplingError for the first field of the wrong type or out of its bounds."""
+        for name in SamplingParams.__struct_fields__:
+            check_value(name, getattr(self, name))
+        return self
+
+
+def sampling_params(values: Mapping[str, Any], params: Mapping[str, str] | None = None) -> SamplingParams:
+    """SamplingParams from raw (e.g. JSON) values by field name, each checked; params names a field in errors
+    where the caller's name for it differs (e.g. max_tokens given as max_completion_tokens)."""
+    params = params or {}
+    return SamplingParams(**{name: check_value(name, value, params.get(name, name)) for name, value in values.items()})
+
+
+def check_value(name: str, value: Any, param: str | None = None) -> Any:
+    """value as field `name` holds it (ints as floats for decimals, token ids as a tuple), or SamplingError."""
+    param = param or name
+    hint = _HINTS[name]
+    kind, bound = typing.get_args(hint) if typing.get_origin(hint) is Annotated else (hint, None)
+    if value is None and _is_optional(kind):
+        return None
+    if kind == tuple[int, ...]:
+        return tuple(check_token_ids(value, param, allow_empty=True))
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise type_error(param, "a boolean", value)
+        return value
+    is_decimal = kind is float
+    if not (is_int(value) or (is_decimal and isinstance(value, float) and math.isfinite(value))):
+        raise type_error(param, "a decimal" if is_decimal else "an integer", value)
+    check_bound(param, value, bound, "decimal" if is_decimal else "integer")
+    return float(value) if is_decimal else value
+
+
+def check_bound(param: str, value: float, bound: Bound | None, kind: str) -> None:
+    """SamplingError unless value lies within bound (kind, "integer" or "decimal", names it in the message)."""
+    if bound is None:
+        return
+    if value < bound.lo or (bound.is_lo_open and value == bound.lo):
+        lo = f"> {_fmt(bound.lo)}" if bound.is_lo_open else f">= {_fmt(bound.lo)}"
+        raise range_error(param, kind, "below minimum", lo, value)
+    if value > bound.hi:
+        raise range_error(param, kind, "above maximum", f"<= {_fmt(bound.hi)}", value)
+
+
+def check_token_ids(value: Any, param: str, allow_empty: bool = False) -> list[int]:
+    """value as a list of token ids (ints in [0, INT32_MAX]), or SamplingError."""
+    if not isinstance(value, (list, tuple)):
+        raise type_error(param, "an array of integers", value)
+    if not value and not allow_empty:
+        raise SamplingError(param, f"Invalid '{param}': empty array.", "empty_array")
+    for i, token_id in enumerate(value):
+        if not is_int(token_id):
+            raise type_error(f"{param}[{i}]", "an integer", token_id)
+        if not 0 <= token_id <= INT32_MAX:
+            raise SamplingError(f"{param}[{i}]", f"Invalid '{param}[{i}]': {token_id} is not a valid token id.",
+                                "invalid_value")
+    return list(value)
+
+
+def type_error(param: str, expected: str, value: Any) -> SamplingError:
+    return SamplingError(param, f"Invalid type for '{param}': expected {expected}, but got {json_type(value)} "
+                                "instead.", "invalid_type")
+
+
+def range_error(param: str, kind: str, where: str, bound: str, value: Any) -> SamplingError:
+    code = f"{kind}_{where.replace(' ', '_').replace('minimum', 'min').replace('maximum', 'max')}_value"
+    return SamplingError(param, f"Invalid '{param}': {kind} {where} value. Expected a value {bound}, but got "
+                                f"{value} instead.", code)
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def json_type(value: Any) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a decimal", str: "a string", list: "an array",
+             tuple: "an array", dict: "an object", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _is_optional(kind: Any) -> bool:
+    return type(None) in typing.get_args(kind)
+
+
+def _fmt(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+_HINTS = typing.get_type_hints(SamplingParams, include_extras=True)
