@@ -86,7 +86,8 @@ def run_steps(policy: BatchPolicy, setup: Setup, rng: random.Random) -> list[flo
         for item in plan.items:
             if item.is_sampling:
                 item.seq.token_ids.append(rng.randrange(VOCAB))
-        policy.after_step(plan, now)
+        for seq in policy.advance(plan):
+            policy.cache_computed(seq, now)
         if is_decode:
             times.append(time.perf_counter() - started)
             if len(times) == setup.num_steps:

@@ -241,7 +241,7 @@ def _start_redis(suite: Suite, run_dir: Path) -> str:
     return f"unix://{suite.redis.socket_file}"
 
 
-def wait_ready(suite: Suite, url: str, timeout_s: float, api_keys: list[str], stop: threading.Event) -> bool:
+def wait_ready(suite: Suite, url: str, timeout_s: float, stop: threading.Event) -> bool:
     """Poll /health until a worker serves or stop is set; show progress; False if a child died or time ran out."""
     started = time.monotonic()
     while time.monotonic() - started < timeout_s:
@@ -288,7 +288,7 @@ def run_serve(args: argparse.Namespace) -> int:
     suite.start(env)
     url = f"http://{args.host}:{args.port}"
     try:
-        if not wait_ready(suite, url, args.ready_timeout, args.api_key, stop):
+        if not wait_ready(suite, url, args.ready_timeout, stop):
             return 1
         if not stop.is_set():
             print(f"\nradixserve ready: {url}/v1  (model {args.model}, {_describe(workers)}); Ctrl-C stops",

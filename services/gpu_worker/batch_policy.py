@@ -219,11 +219,6 @@ class BatchPolicy:
         seq.page_ids = []
         seq.num_computed = 0
 
-    def after_step(self, plan: StepPlan, now: float) -> None:
-        """Advance each scheduled sequence past its computed chunk and cache its newly full pages."""
-        for seq in self.advance(plan):
-            self._cache_computed(seq, now)
-
     def advance(self, plan: StepPlan) -> list[Sequence]:
         """Advance each scheduled sequence past its chunk; returns those that filled a page (to cache)."""
         filled = []

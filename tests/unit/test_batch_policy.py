@@ -1,14 +1,120 @@
-"""BatchPolicy against a full prefix cache: growing decodes take their pages from eviction, in batches."""
+"""BatchPolicy, driven as the engine drives it (schedule, then advance + cache_computed): the token budget split
+between decodes and prefill chunks, admission limits, preemption, and eviction from a full prefix cache."""
 from __future__ import annotations
 
-from services.gpu_worker.batch_policy import EVICT_BATCH_FRACTION, BatchPolicy
+from services.gpu_worker.batch_policy import EVICT_BATCH_FRACTION, BatchPolicy, StepPlan
 from services.gpu_worker.block_pool import BlockPool
 from services.gpu_worker.radix_cache import RadixCache
 from services.gpu_worker.request import SamplingParams
-from services.gpu_worker.sequence import Sequence
+from services.gpu_worker.sequence import Sequence, SeqStatus
 
 PAGE_SIZE = 4
 NUM_PAGES = 1 + 1024
+
+
+def small_policy(num_pages: int, max_num_batched_tokens: int = 64, max_num_seqs: int = 8) -> BatchPolicy:
+    """A policy over 1 + num_pages pages (page 0 is reserved), too small for eviction batches."""
+    pool = BlockPool(1 + num_pages)
+    return BatchPolicy(pool, RadixCache(pool, PAGE_SIZE, "salt"), PAGE_SIZE, max_num_batched_tokens, max_num_seqs)
+
+
+def new_seq(seq_id: int, num_prompt_tokens: int) -> Sequence:
+    """A sequence whose prompt shares no page with any other's."""
+    prompt = [1000 * (seq_id + 1) + t for t in range(num_prompt_tokens)]
+    return Sequence(seq_id, f"r{seq_id}", 0, prompt, num_prompt_tokens, SamplingParams(max_tokens=64), 0.0)
+
+
+def end_step(policy: BatchPolicy, plan: StepPlan, now: float) -> None:
+    """What the engine does after a step: sampling items get a token, then advance and cache_computed."""
+    for item in plan.items:
+        if item.is_sampling:
+            item.seq.token_ids.append(7)
+    for seq in policy.advance(plan):
+        policy.cache_computed(seq, now)
+    policy.check_invariants()
+    policy.pool.check_invariants()
+    policy.cache.check_invariants()
+
+
+def step(policy: BatchPolicy, now: float) -> StepPlan:
+    plan = policy.schedule(now)
+    end_step(policy, plan, now)
+    return plan
+
+
+def items_of(plan: StepPlan) -> list[tuple[int, int, bool]]:
+    return [(item.seq.seq_id, item.num_new_tokens, item.is_sampling) for item in plan.items]
+
+
+def test_chunked_prefill_spends_the_rest_of_the_budget_on_the_next_prompt() -> None:
+    policy = small_policy(num_pages=8, max_num_batched_tokens=10)
+    a, b = new_seq(0, 8), new_seq(1, 6)
+    policy.add(a)
+    policy.add(b)
+    first = step(policy, now=1.0)
+    assert items_of(first) == [(0, 8, True), (1, 2, False)]  # b's first chunk is what the budget leaves
+    assert first.admitted == [a, b] and first.num_tokens == 10
+    assert (a.page_ids, a.num_computed, b.page_ids, b.num_computed) == ([1, 2], 8, [3], 2)
+    second = step(policy, now=2.0)
+    assert items_of(second) == [(0, 1, True), (1, 4, True)]
+    assert second.admitted == []
+    assert (a.page_ids, b.page_ids) == ([1, 2, 4], [3, 5])  # pages taken on demand, in scheduling order
+
+
+def test_decodes_take_the_budget_before_a_prefill_chunk() -> None:
+    policy = small_policy(num_pages=16, max_num_batched_tokens=4)
+    decodes = [new_seq(i, 1) for i in range(3)]
+    prompt = new_seq(3, 12)
+    for seq in decodes + [prompt]:
+        policy.add(seq)
+    assert items_of(step(policy, now=1.0)) == [(0, 1, True), (1, 1, True), (2, 1, True), (3, 1, False)]
+    assert items_of(step(policy, now=2.0)) == [(0, 1, True), (1, 1, True), (2, 1, True), (3, 1, False)]
+    waiting = new_seq(4, 1)
+    policy.add(waiting)
+    plan = step(policy, now=3.0)
+    assert items_of(plan) == [(0, 1, True), (1, 1, True), (2, 1, True), (3, 1, False)]
+    assert list(policy.waiting) == [waiting] and prompt.num_computed == 3
+    policy.finish(decodes[0], now=4.0)
+    assert items_of(step(policy, now=5.0)) == [(1, 1, True), (2, 1, True), (3, 2, False)]
+
+
+def test_a_dry_pool_preempts_the_newest_running_sequence_and_evicts_its_pages() -> None:
+    policy = small_policy(num_pages=6)
+    a, b, c = new_seq(0, 4), new_seq(1, 4), new_seq(2, 4)
+    for seq in (a, b, c):
+        policy.add(seq)
+    step(policy, now=1.0)
+    assert (a.page_ids, b.page_ids, c.page_ids) == ([1], [2], [3])
+    for now in (2.0, 3.0, 4.0, 5.0):  # the fifth token of each takes a second page; four decodes fill it
+        assert step(policy, now).preempted == []
+    assert (a.page_ids, b.page_ids, c.page_ids) == ([1, 4], [2, 5], [3, 6])
+    assert policy.pool.num_free == 0 and a.num_computed == 8 and a.num_tokens == 9
+    plan = step(policy, now=6.0)
+    # a needs a third page: c (newest) is preempted and its cached tail page 6 evicted for a; b then takes
+    # c's other page 3, now unlocked in the cache; c cannot come back (its prefix is gone, the pool is dry)
+    assert plan.preempted == [c]
+    assert items_of(plan) == [(0, 1, True), (1, 1, True)]
+    assert (a.page_ids, b.page_ids, c.page_ids) == ([1, 4, 6], [2, 5, 3], [])
+    assert (c.status, c.num_computed, c.num_preemptions, policy.num_preemptions) == (SeqStatus.WAITING, 0, 1, 1)
+    assert list(policy.waiting) == [c] and policy.running == [a, b]
+    assert policy.pool.num_free == 0 and policy.cache.num_evictable_pages == 0
+
+
+def test_admission_stops_at_max_num_seqs_and_the_rest_keep_waiting() -> None:
+    policy = small_policy(num_pages=16, max_num_seqs=2)
+    seqs = [new_seq(i, 3) for i in range(4)]
+    for seq in seqs:
+        policy.add(seq)
+    first = step(policy, now=1.0)
+    assert items_of(first) == [(0, 3, True), (1, 3, True)]
+    assert first.admitted == seqs[:2] and policy.running == seqs[:2]
+    assert list(policy.waiting) == seqs[2:] and all(s.page_ids == [] for s in seqs[2:])
+    assert items_of(step(policy, now=2.0)) == [(0, 1, True), (1, 1, True)]
+    assert list(policy.waiting) == seqs[2:]
+    policy.finish(seqs[0], now=3.0)
+    plan = step(policy, now=4.0)
+    assert items_of(plan) == [(1, 1, True), (2, 3, True)]
+    assert plan.admitted == [seqs[2]] and list(policy.waiting) == [seqs[3]]
 
 
 def full_policy() -> BatchPolicy:
@@ -38,7 +144,7 @@ def test_a_dry_pool_evicts_a_batch_beyond_the_shortfall() -> None:
     assert [item.num_new_tokens for item in plan.items] == [4 * PAGE_SIZE]
     assert len(seq.page_ids) == 4 and policy.pool.num_free == 0  # the four free pages sufficed: no eviction
     seq.token_ids.append(7)
-    policy.after_step(plan, now=5001.0)
+    end_step(policy, plan, now=5001.0)
     policy.schedule(now=5002.0)  # the decode needs a fifth page: one short, so 1 + 4 are evicted
     assert seq.page_ids == [1021, 1022, 1023, 1024, 5]  # the five least recently used leaves went, oldest first
     assert [policy.pool.ref_count(p) for p in range(1, 7)] == [0, 0, 0, 0, 1, 1]

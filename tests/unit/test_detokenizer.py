@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from services.tokenizer.detokenizer import (
@@ -137,15 +137,33 @@ def test_matcher_without_stops_emits_everything() -> None:
     assert matcher.flush() == "" and not matcher.is_stopped
 
 
-def _expected(text: str, stops: list[str]) -> str:
-    hits = [text.find(s) for s in stops if s and s in text]
-    return text[:min(hits)] if hits else text
+def _expected(pieces: list[str], stops: list[str]) -> str:
+    """The output a stream of pieces gives: the first piece that completes a stop ends it, cut at the
+    earliest start among the stops complete by then (a stop that starts earlier but would complete later
+    never gets the chance)."""
+    text = ""
+    for piece in pieces:
+        text += piece
+        hits = [text.find(s) for s in stops if s and s in text]
+        if hits:
+            return text[:min(hits)]
+    return text
+
+
+def test_the_first_stop_to_complete_wins_over_an_earlier_starting_one() -> None:
+    sample = SampleDetokenizer(ToyDecoder(["a", "b"]), stops=["b", "aba"])
+    texts = [sample.step([i], is_final=k == 2).text for k, i in enumerate([0, 1, 0])]
+    assert texts == ["", "a", ""]  # "b" completes at the 2nd token; "aba", starting earlier, at the 3rd
+    assert (sample.text, sample.is_stopped, sample.num_tokens) == ("a", True, 2)
+    assert _expected(["a", "b", "a"], ["b", "aba"]) == "a"
 
 
 @settings(max_examples=300, deadline=None)
 @given(pieces=st.lists(st.sampled_from(["a", "b", "ab", "ba", "c", "<s>"]), max_size=20),
        stops=st.lists(st.text(alphabet="abc", min_size=0, max_size=4), max_size=3),
        step_size=st.integers(1, 4))
+@example(pieces=["a", "b", "a"], stops=["b", "aba"], step_size=3)
+@example(pieces=["ab"], stops=["b", "ab"], step_size=1)  # both complete with one piece: the earlier start wins
 def test_any_split_yields_the_text_before_the_first_stop(pieces: list[str], stops: list[str],
                                                          step_size: int) -> None:
     vocab = ["a", "b", "ab", "ba", "c", "<s>"]
@@ -155,7 +173,7 @@ def test_any_split_yields_the_text_before_the_first_stop(pieces: list[str], stop
     chunks = [ids[i:i + step_size] for i in range(0, len(ids), step_size)] or [[]]
     out = "".join(sample.step(c, is_final=k == len(chunks) - 1).text for k, c in enumerate(chunks))
     full = "".join(p for p in pieces if p != "<s>")
-    assert out == _expected(full, stops) == sample.text
+    assert out == _expected([p for p in pieces if p != "<s>"], stops) == sample.text
     assert sample.is_stopped == any(s and s in full for s in stops)
 
 
