@@ -20,6 +20,9 @@ from pathlib import Path
 
 import torch
 
+from bench import kernel_table
+from bench.timing import copy_bandwidth, time_gpu
+
 WEIGHT_BYTES = 16.06e9  # Llama-3.1-8B bf16, BENCHMARKS.md's roofline definition
 KV_BYTES_PER_TOKEN = 131072
 
@@ -43,8 +46,7 @@ class Suite:
 
 class JitCompiles:
     """The Triton kernels compiled (missed in memory) since the last take(), and the seconds spent: a timed run that
-    compiles pays for it. W1 moved by 6 % between device calls, most of it in its steps with prefill
-    (docs/PERFORMANCE.md, "Twenty-fourth to twenty-seventh runs"); this says whether compiling is part of it."""
+    compiles pays for it, so this says whether compiling is part of a run's time."""
 
     def __init__(self) -> None:
         self.counts: dict[str, int] = {}
@@ -76,32 +78,21 @@ def run_gpu_tests(out: Path) -> dict:
     return {"returncode": proc.returncode, "summary": (proc.stdout.strip().splitlines() or [""])[-1]}
 
 
-def time_gpu(fn, warmup: int = 25, rep: int = 200) -> float:
-    """Median seconds of fn on the GPU (triton.testing.do_bench: L2 flushed between runs)."""
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e-3
-
-
 def kernel_bandwidth() -> dict:
     """The copy ceiling, then every kernel's row of bench/kernel_table.py (GPU time per call inside a CUDA graph,
     bytes over it against the copy ceiling, error against its reference)."""
-    from bench import kernel_table
-
-    copy_tbs = kernel_table.copy_bandwidth()
+    copy_tbs = copy_bandwidth()
     return {"copy_1GiB": {"tb_s": round(copy_tbs, 3)}, **kernel_table.table(copy_tbs=copy_tbs)}
 
 
-def make_engine(loaded, max_num_seqs: int, chunk: int, graphs: bool = True, staging: str = "stream",
-                pdl: str = "off", kv_cache_dtype: str = "auto", l2_prefetch: str = "off",
+def make_engine(loaded, max_num_seqs: int, chunk: int, graphs: bool = True, kv_cache_dtype: str = "auto",
                 gemv_max_tokens: int | None = None):
     from services.gpu_worker.engine import Engine
     from services.gpu_worker.engine_config import EngineConfig
 
     config = EngineConfig(model="random:llama3-8b", device="cuda", dtype="bfloat16", max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=chunk, max_model_len=4096, enable_prefix_cache=False,
-                          enable_cuda_graphs=graphs, cuda_graph_staging=staging, pdl=pdl,
-                          kv_cache_dtype=kv_cache_dtype, l2_prefetch=l2_prefetch, gemv_max_tokens=gemv_max_tokens)
+                          enable_cuda_graphs=graphs, kv_cache_dtype=kv_cache_dtype, gemv_max_tokens=gemv_max_tokens)
     return Engine(config, loaded=loaded)
 
 
@@ -194,30 +185,6 @@ def prompts_for(num: int, length: int, vocab: int, seed: int) -> list[list[int]]
     return [[rng.randrange(vocab) for _ in range(length)] for _ in range(num)]
 
 
-# --decode-tile-fp8 auto's candidates: the default's tile with Triton's own conversion first (the reference the
-# others must match, so a wrong assembly cannot be picked), the default (the unpacking assembly), and 64 keys (128
-# registers) with and without it (docs/PERFORMANCE.md, "Twenty-fourth to twenty-seventh runs")
-AUTO_FP8_TILES = ((128, 4, 2, True, 0, False), (128, 4, 2, True, 0, True), (64, 4, 2, True, 0, True),
-                  (64, 4, 2, True, 0, False))
-
-
-def pick_fp8_tile(copy_tbs: float, batch: int, context: int = 1504) -> tuple[tuple, dict]:
-    """The fastest of AUTO_FP8_TILES at batch × context (32 layers of the decode attention with RoPE, V in key
-    pairs as the engine stores it) among those whose output is within 1e-2 of the first's; and the timings."""
-    from bench.h200_probe import fp8_tile_sweep
-    from services.gpu_worker.kernels.decode_attention import TILE_FP8, tile_name
-
-    row = fp8_tile_sweep(copy_tbs, ((batch, context),), list(AUTO_FP8_TILES), layouts=(True,),
-                         with_bf16=False)[f"B{batch}_L{context}"]
-    keys = {tile: f"fp8_{tile_name(tile)}_pairs" for tile in AUTO_FP8_TILES}
-    timed = [(row[key + "_ms"], tile) for tile, key in keys.items()
-             if key + "_ms" in row and row.get(key + "_rel_diff", 1.0) < 1e-2]
-    best = min(timed)[1] if timed else TILE_FP8  # none ran: the default stays
-    gc.collect()
-    torch.cuda.empty_cache()
-    return best, {"shape": [batch, context], "timings": row, "picked": list(best)}
-
-
 def main() -> int:
     from services.gpu_worker.gemv_option import parse_gemv_max_tokens
 
@@ -232,27 +199,14 @@ def main() -> int:
                         "(a value given twice runs twice)")
     p.add_argument("--w1-warmup-requests", type=int, default=0,
                    help="untimed W1-shaped requests (1000 → 8 tokens) before W1, at its largest max_num_seqs: a "
-                        "first W1 on an engine spent 1.5-3.7 s more in its steps with prefill (docs/PERFORMANCE.md)")
+                        "first W1 on an engine spent 1.5-3.7 s more in its steps with prefill")
     p.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens")
     p.add_argument("--peer-repeats", type=int, default=2, help="timed transformers generate() runs (median)")
-    p.add_argument("--graph-staging", default="stream", help="EngineConfig.cuda_graph_staging")
-    p.add_argument("--pdl", default="off", help="EngineConfig.pdl: off, auto or on")
     p.add_argument("--kv-cache-dtype", default="auto", help="EngineConfig.kv_cache_dtype: auto or fp8")
-    p.add_argument("--l2-prefetch", default="off", help="EngineConfig.l2_prefetch: off, auto or on")
     p.add_argument("--gemv-max-tokens", type=parse_gemv_max_tokens, default=None,
                    help="EngineConfig.gemv_max_tokens: steps of at most this many tokens on the Triton GEMV "
                         "(0: cuBLAS; auto, the default: 1)")
-    p.add_argument("--decode-tile-fp8", default="",
-                   help="replaces decode_attention.TILE_FP8 and TILE_FP8_FEW: "
-                        "keys,warps,stages,fp16_dots,max_regs[,asm_unpack] (e.g. 128,4,3,1,128 or 128,4,2,1,0,1); "
-                        "auto: the fastest of AUTO_FP8_TILES whose output matches the first's (Triton's own "
-                        "conversion), timed at W1's largest max_num_seqs x 1504 keys before the model loads; it "
-                        "replaces TILE_FP8 only")
     args = p.parse_args()
-    from services.gpu_worker.kernels import decode_attention
-
-    if args.decode_tile_fp8 and args.decode_tile_fp8 != "auto":
-        decode_attention.TILE_FP8 = decode_attention.TILE_FP8_FEW = decode_attention.parse_tile(args.decode_tile_fp8)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     suite = Suite(out, args.time_budget_s)
@@ -263,9 +217,6 @@ def main() -> int:
     copy_tbs = kernels["copy_1GiB"]["tb_s"]
     suite.save("kernels", kernels)
     w1_seqs = [int(x) for x in args.w1_max_seqs.split(",")]
-    if args.decode_tile_fp8 == "auto":
-        decode_attention.TILE_FP8, pick = pick_fp8_tile(copy_tbs, max(w1_seqs))
-        suite.save("decode_tile_fp8_auto", pick)
 
     from services.gpu_worker.model.loader import load_model
 
@@ -283,19 +234,16 @@ def main() -> int:
 
     t0 = time.perf_counter()
     engine = make_engine(loaded, max_num_seqs=max(args.w0_requests, *w1_seqs), chunk=args.chunk,
-                         staging=args.graph_staging, pdl=args.pdl, kv_cache_dtype=args.kv_cache_dtype,
-                         l2_prefetch=args.l2_prefetch, gemv_max_tokens=args.gemv_max_tokens)
+                         kv_cache_dtype=args.kv_cache_dtype, gemv_max_tokens=args.gemv_max_tokens)
     setup_s = time.perf_counter() - t0
     kv_bytes = KV_BYTES_PER_TOKEN * engine.kv.k.element_size() // 2  # the constant is bf16's
     replay = {b: round(graph_replay_ms(engine, b), 3) for b in (1, 8, 64, 128, 256) if b in engine.graphs.graphs}
-    from services.gpu_worker.kernels import pdl
+    from services.gpu_worker.kernels import decode_attention
     from services.gpu_worker.kv_cache import is_v_pairs
 
     suite.save("engine_setup", {"seconds_incl_graph_capture": round(setup_s, 1), "num_pages": engine.num_pages,
                                 "warmup_seconds": round(engine.warmup_seconds, 2), "jit_compiles": jit.take(),
-                                "pdl": pdl.is_enabled(), "kv_cache_dtype": str(engine.kv.dtype),
-                                "l2_prefetch": (None if engine.model.l2_prefetcher is None
-                                                else str(engine.model.l2_prefetcher.config)),
+                                "kv_cache_dtype": str(engine.kv.dtype),
                                 "gemv_max_tokens": engine.model.gemv_max_tokens,
                                 "v_cache_layout": "key pairs" if is_v_pairs(engine.kv.dtype) else "rows",
                                 "decode_tile": decode_attention.TILE, "decode_tile_fp8": decode_attention.TILE_FP8,
@@ -344,7 +292,7 @@ def main() -> int:
         suite.save("w1_warmup", {"requests": args.w1_warmup_requests, "seconds": round(warm["seconds"], 2),
                                  "jit_compiles": jit.take()})
     # A repeated value runs again on the same engine: its record's key gets the run's number (W1 moved by 6 %
-    # between device calls, docs/PERFORMANCE.md "Twenty-fourth to twenty-seventh runs")
+    # between device calls)
     names = [f"w1_max_seqs_{m}" + (f"_run{w1_seqs[:i + 1].count(m)}" if w1_seqs.count(m) > 1 else "")
              for i, m in enumerate(w1_seqs)]
     for max_seqs, name in zip(w1_seqs, names):

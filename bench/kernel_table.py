@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 import triton
 
-from bench.gpu_suite import time_gpu
+from bench.timing import copy_bandwidth, graph_of, time_gpu
 
 BYTES_PER_GRAPH = 256 << 20  # a row's calls touch about this much together (five times the H200's 50 MB L2)
 MAX_CALLS = 64
@@ -60,17 +60,6 @@ class Shapes:
 LLAMA3_8B = Shapes(hidden=4096, heads=32, kv_heads=8, head_dim=128, inter=14336, vocab=128256, page_size=16,
                    decode=((1, 640), (1, 4096), (8, 640), (64, 2048), (128, 640), (256, 1504), (384, 1504)),
                    tokens=(1, 256, 4096), extend=((4, 512), (1, 2048)), argmax_rows=(1, 128))
-
-
-def graph_of(fn: Call) -> torch.cuda.CUDAGraph:
-    """fn run once (compiling its kernels), then captured in a CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    return graph
 
 
 def graph_timer(calls: list[Call]) -> float:
@@ -364,13 +353,6 @@ class Table:
         label = "cublas" if config is None else "{}x{}w{}s{}".format(*config)
         return self.measure(f"gemv_{name}_M{tokens}_p{parts}_{label}", (n + tokens) * k * self.esize + out_bytes,
                             build)
-
-
-def copy_bandwidth() -> float:
-    """TB/s of a 1 GiB device-to-device copy (read + write), median under do_bench."""
-    src = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 2 / time_gpu(lambda: dst.copy_(src)) / 1e12
 
 
 def table(shapes: Shapes = LLAMA3_8B, timer: Timer = graph_timer, max_calls: int = MAX_CALLS,

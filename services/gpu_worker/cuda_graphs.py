@@ -21,25 +21,16 @@ import torch
 from services.gpu_worker.attention.base import AttentionBackend, AttentionMetadata
 from services.gpu_worker.batch_policy import ScheduledItem
 from services.gpu_worker.kernels.argmax import argmax_rows
-from services.gpu_worker.kernels.staging_copy import copy_words_
 from services.gpu_worker.kv_cache import KVCache
 from services.gpu_worker.model.llama import LlamaForCausalLM
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 MAX_GRAPH_CONTEXT = 8192  # tokens: a longer sequence's decode step runs eager
-STAGING_MODES = ("stream", "graph_copy", "graph_kernel")
 
 
 class DecodeGraphs:
     def __init__(self, model: LlamaForCausalLM, kv: KVCache, backend: AttentionBackend, max_batch: int,
-                 max_seq_len: int, staging: str = "stream") -> None:
-        """staging: how a step's pinned inputs reach the device. "stream": a copy-engine transfer queued before
-        the replay. "graph_copy" / "graph_kernel": inside the graph, as its first node (a captured transfer,
-        or kernels/staging_copy.py reading the pinned buffer directly); each bucket is then captured twice,
-        once per pinned buffer, and the two are replayed in turn."""
-        if staging not in STAGING_MODES:
-            raise ValueError(f"staging must be one of {STAGING_MODES}")
-        self.staging = staging
+                 max_seq_len: int) -> None:
         self.model, self.kv, self.backend, self.page_size = model, kv, backend, kv.page_size
         top = next((b for b in BUCKETS if b >= max_batch), BUCKETS[-1])
         self.buckets = [b for b in BUCKETS if b <= top]
@@ -65,7 +56,6 @@ class DecodeGraphs:
         self.query_start = torch.arange(bm + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # bucket → static [bucket, vocab] fp32 output
-        self.spares: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # in-graph staging: hosts[1]
         self.num_replays = 0
 
     def _meta(self, bucket: int) -> AttentionMetadata:
@@ -78,13 +68,7 @@ class DecodeGraphs:
     def _num_words(self, bucket: int) -> int:
         return 5 * self.max_batch + bucket * self.width
 
-    def _run(self, bucket: int, host: torch.Tensor | None = None) -> torch.Tensor:
-        if host is not None:  # in-graph staging from this pinned buffer
-            n = self._num_words(bucket)
-            if self.staging == "graph_kernel":
-                copy_words_(self.dev[:n], host[:n])
-            else:
-                self.dev[:n].copy_(host[:n], non_blocking=True)
+    def _run(self, bucket: int) -> torch.Tensor:
         hidden = self.model(self.input_ids[:bucket], self.positions[:bucket], self.kv, self._meta(bucket),
                             self.backend, fed=(self.feed_src[:bucket], self.tokens))
         logits = self.model.logits(hidden)  # [bucket, vocab] fp32
@@ -98,15 +82,10 @@ class DecodeGraphs:
             self._run(bucket)  # warm-up: compiles the Triton kernels for this shape outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            in_graph = self.staging != "stream"
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[bucket] = self._run(bucket, self.hosts[0] if in_graph else None)
+                self.logits[bucket] = self._run(bucket)
             pool = graph.pool()
             self.graphs[bucket] = graph
-            if in_graph:
-                spare = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(spare, pool=pool):
-                    self.spares[bucket] = (spare, self._run(bucket, self.hosts[1]))
         torch.cuda.synchronize()
 
     def try_forward(self, items: list[ScheduledItem], pending: list[tuple[int, int]] = (),
@@ -147,15 +126,11 @@ class DecodeGraphs:
         for i, it in enumerate(items):
             pages = it.seq.page_ids
             table[i, : len(pages)] = pages
-        if self.staging == "stream":
-            num_words = self._num_words(bucket)
-            self.dev[:num_words].copy_(host[:num_words], non_blocking=True)
-            self.copied[self.turn].record()
+        num_words = self._num_words(bucket)
+        self.dev[:num_words].copy_(host[:num_words], non_blocking=True)
+        self.copied[self.turn].record()
         if pending and prev_tokens.data_ptr() != self.tokens.data_ptr():  # sampled outside a graph, or not greedy
             self.tokens[: prev_tokens.shape[0]].copy_(prev_tokens)
-        graph, logits = self.spares[bucket] if self.turn and self.spares else (self.graphs[bucket], self.logits[bucket])
-        graph.replay()
-        if self.staging != "stream":
-            self.copied[self.turn].record()  # this graph read hosts[turn] (at its start)
+        self.graphs[bucket].replay()
         self.num_replays += 1
-        return logits[:num_seqs], self.tokens[:num_seqs]
+        return self.logits[bucket][:num_seqs], self.tokens[:num_seqs]

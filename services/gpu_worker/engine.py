@@ -174,19 +174,11 @@ class Engine:
             return None
         self.model.enable_fused_kernels()
         self.model.gemv_max_tokens = gemv_max_tokens
-        from services.gpu_worker.kernels import pdl
-
-        pdl.set_enabled(pdl.resolve(config.pdl, self.device))
-        from services.gpu_worker.kernels import l2_prefetch
-
-        if l2_prefetch.resolve(config.l2_prefetch, self.device):
-            self.model.l2_prefetcher = l2_prefetch.L2Prefetcher(l2_prefetch.DEFAULT_CONFIG, self.device)
         if not config.enable_cuda_graphs or self.device.type != "cuda":
             return None
         from services.gpu_worker.cuda_graphs import DecodeGraphs
 
-        graphs = DecodeGraphs(self.model, self.kv, self.backend, self.batching.max_num_seqs, self.max_seq_len,
-                              staging=config.cuda_graph_staging)
+        graphs = DecodeGraphs(self.model, self.kv, self.backend, self.batching.max_num_seqs, self.max_seq_len)
         graphs.capture()
         return graphs
 

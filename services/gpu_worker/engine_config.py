@@ -50,16 +50,6 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     attention_backend: str = "auto"  # "auto": triton on cuda, torch elsewhere
     enable_cuda_graphs: bool = True  # cuda + triton: replay captured decode steps (cuda_graphs.py)
-    # How a graph step's inputs reach the GPU: "stream", "graph_copy" or "graph_kernel" (cuda_graphs.DecodeGraphs)
-    cuda_graph_staging: str = "stream"
-    # Programmatic dependent launch of the decode path's Triton kernels (kernels/pdl.py): "off", "auto" (on
-    # where the GPU has it, compute capability >= 9.0) or "on" (an error where it has not). Off by default:
-    # on the H200 it made the batch-1 step slower (docs/PERFORMANCE.md).
-    pdl: str = "off"
-    # L2 prefetch of each GEMM's leading weight bytes while the small kernels before it run, at steps of few tokens
-    # (kernels/l2_prefetch.py, DEFAULT_CONFIG): "off", "auto" (on where the GPU has it, compute capability >= 9.0)
-    # or "on" (an error where it has not). Off by default: on the H200 every setting made the step slower.
-    l2_prefetch: str = "off"
     # Steps of at most this many tokens (0..16) run their projections and LM head on the Triton GEMV
     # (kernels/gemv.py) instead of cuBLAS; Triton backend only; 0: every matmul on cuBLAS. None, the default: 1 for
     # a single-rank Triton engine on CUDA, else 0. On the H200, 1 makes the batch-1 step 7 % faster; at 8 tokens the
@@ -93,9 +83,6 @@ class EngineConfig:
             check_gemv_max_tokens(self.gemv_max_tokens)
         if any(v is not None and v < 1 for v in (self.max_num_batched_tokens, self.max_num_seqs)):
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1 (or None: from the device)")
-        for name in ("pdl", "l2_prefetch"):
-            if getattr(self, name) not in ("auto", "on", "off"):
-                raise ValueError(f"{name} must be 'auto', 'on' or 'off', not {getattr(self, name)!r}")
 
     def resolved_device(self) -> str:
         if self.device == "auto":

@@ -34,25 +34,3 @@ def random_paged_cache(seq_lens: list[int], page_size: int, num_kv_heads: int, h
         table[i, :n] = torch.tensor(perm[:n], dtype=torch.int32)
         perm = perm[n:]
     return k_cache, v_cache, table.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device)
-
-
-
-def assert_switch_keeps_every_bit(loaded, field: str, check) -> None:
-    """Six prompts of 20-85 tokens → 24 greedy tokens each with 2 logprobs, on a qwen3-0.6b engine of 8 sequences and
-    64-token steps (graph steps of several batch sizes, eager mixed steps), with EngineConfig.<field> "off" and then
-    "on": the very same tokens and logprobs. check(engine, mode) asserts that the switch took effect."""
-    from services.gpu_worker.engine import Engine
-    from services.gpu_worker.engine_config import EngineConfig
-    from services.gpu_worker.request import SamplingParams
-
-    prompts = [[(i * 37 + j * 11) % loaded.config.vocab_size for j in range(20 + 13 * i)] for i in range(6)]
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
-    runs = []
-    for mode in ("off", "on"):
-        engine = Engine(EngineConfig(model="random:qwen3-0.6b", device="cuda", dtype="bfloat16", num_pages=512,
-                                     max_num_seqs=8, max_num_batched_tokens=64, **{field: mode}), loaded=loaded)
-        check(engine, mode)
-        results = [r.samples[0] for r in engine.generate(prompts, params)]
-        assert engine.graphs.num_replays > 0
-        runs.append(([s.token_ids for s in results], [[lp.logprob for lp in s.logprobs] for s in results]))
-    assert runs[0] == runs[1]

@@ -141,20 +141,6 @@ def test_graph_tokens_feed_the_next_step_with_sampled_and_greedy_rows():
     assert runs[0] == runs[1]
 
 
-@pytest.mark.gpu
-@gpu_only
-@pytest.mark.parametrize("staging", ["graph_copy", "graph_kernel"])
-def test_in_graph_staging_gives_the_stream_stagings_bits(staging):
-    """The graph's inputs copied inside the graph (two captures per bucket, one per pinned buffer, replayed in
-    turn) give the very tokens and logprobs of the copy queued before the replay."""
-    loaded = load_model("random:tiny-llama", dtype=torch.bfloat16, device="cuda", seed=4)
-    prompts = _prompts(loaded.config.vocab_size, 5, 90)
-    stream = _generate("tiny-llama", loaded, prompts, 20, "bfloat16", max_num_seqs=8)
-    staged = _generate("tiny-llama", loaded, prompts, 20, "bfloat16", max_num_seqs=8, cuda_graph_staging=staging)
-    assert [s.token_ids for s in staged] == [s.token_ids for s in stream]
-    assert [[lp.logprob for lp in s.logprobs] for s in staged] == [[lp.logprob for lp in s.logprobs] for s in stream]
-
-
 def test_triton_gemv_engine_equals_torch_cpu_interpreter():
     """EngineConfig.gemv_max_tokens: steps of one token (the one-row kernel) and of up to 8 (the dot kernel) run
     their projections and LM head on kernels/gemv.py, and the tokens and logprobs stay the torch backend's."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import triton.testing
 
-from bench import gpu_suite
+from bench import gpu_suite, timing
 
 
 def test_time_gpu_is_do_bench_median_in_seconds(monkeypatch):
@@ -18,7 +18,7 @@ def test_time_gpu_is_do_bench_median_in_seconds(monkeypatch):
 
     monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
     ran = []
-    assert gpu_suite.time_gpu(lambda: ran.append(1), warmup=3, rep=7) == pytest.approx(2.5e-3)
+    assert timing.time_gpu(lambda: ran.append(1), warmup=3, rep=7) == pytest.approx(2.5e-3)
     assert calls == [(3, 7, "median")] and ran == [1]
 
 

@@ -1,6 +1,5 @@
 """Triton kernels of the CUDA path, one per file, each with its launcher and its torch reference; and what several
-of them share: pdl.py (programmatic dependent launch), hopper.py (when a Hopper-only switch is on), paging.py
-(page-table lookups), v_pairs.py (the FP8 V cache's key-pair layout).
+of them share: paging.py (page-table lookups), v_pairs.py (the FP8 V cache's key-pair layout).
 
 Import these modules only where Triton runs: on CUDA, or on the CPU under TRITON_INTERPRET=1 (tests).
 """

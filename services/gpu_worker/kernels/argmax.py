@@ -2,7 +2,7 @@
 row (its max and the first index reaching it), then one program per row picks the first block holding the
 row's max. Same result as torch.argmax(dim=-1) — the first index of the maximum — but spread over
 ⌈V / BLOCK⌉ programs per row: at batch 1 torch's reduction runs one row on one block (27.5 µs on the H200
-for a 128k vocabulary, bench/h200_probe.py).
+for a 128k vocabulary).
 
 NaN counts as larger than every number (torch's rule); a row's first NaN or +inf wins.
 """
@@ -12,13 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from services.gpu_worker.kernels import pdl
 
 
 @triton.jit
-def _block_max_kernel(x_ptr, stride_row, num_cols, vals_ptr, idx_ptr, num_blocks, BLOCK: tl.constexpr,
-                      USE_PDL: tl.constexpr):
-    pdl.wait_for_previous(USE_PDL)
+def _block_max_kernel(x_ptr, stride_row, num_cols, vals_ptr, idx_ptr, num_blocks, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     block = tl.program_id(1)
     offs = block * BLOCK + tl.arange(0, BLOCK)
@@ -31,8 +28,7 @@ def _block_max_kernel(x_ptr, stride_row, num_cols, vals_ptr, idx_ptr, num_blocks
 
 
 @triton.jit
-def _pick_block_kernel(vals_ptr, idx_ptr, num_blocks, out_ptr, NUM_BLOCKS: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl.wait_for_previous(USE_PDL)
+def _pick_block_kernel(vals_ptr, idx_ptr, num_blocks, out_ptr, NUM_BLOCKS: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, NUM_BLOCKS)
     mask = offs < num_blocks
@@ -57,9 +53,9 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 2
     vals = torch.empty((num_rows, num_blocks), dtype=torch.float32, device=x.device)
     idx = torch.empty((num_rows, num_blocks), dtype=torch.int64, device=x.device)
     _block_max_kernel[(num_rows, num_blocks)](x, x.stride(0), num_cols, vals, idx, num_blocks, BLOCK=block,
-                                              num_warps=8, **pdl.launch_options())
+                                              num_warps=8)
     _pick_block_kernel[(num_rows,)](vals, idx, num_blocks, out, NUM_BLOCKS=triton.next_power_of_2(num_blocks),
-                                    num_warps=4, **pdl.launch_options())
+                                    num_warps=4)
     return out
 
 

@@ -8,14 +8,12 @@ chunks' partial outputs by their log-sum-exp. With NUM_SPLITS == 1 the first ker
 decode_attention_rope() also does what rope_kv_write_ does, for a decode step: it reads the step's un-rotated
 q and k, rotates them in registers, attends to the cached keys [0, seq_len - 1) plus the new token held in
 registers, and the split that owns position seq_len - 1 writes the rotated k and v into their cache slot.
-That is one launch fewer per layer (bench/h200_probe.py measures both).
+That is one launch fewer per layer.
 
-NOTE: merging the splits in the same kernel was measured twice and dropped. The last program to finish, found by an
-atomic ticket, merging every head: at batch 1 the layer's attention 2× slower than the parallel reduce kernel
-(bench/results/h200_probe_20261202_b.json). The last split of each sequence and KV head merging that head group
-(commit cfe5e49, same bits as the reduce kernel): 1.34× at batch 1 (9.5 against 7.05 µs per layer), 1.21× at 8
-sequences, the whole batch-1 forward 1.016× (bench/results/h200_probe_20261203_k_merge.json). The ticket's
-barrier, release-acquire atomic and the merge's L2 loads sit on the critical path and cost more than the launch.
+NOTE: merging the splits in the same kernel (the last program to finish, found by an atomic ticket, merging its
+head group) was measured slower than the separate reduce kernel: 1.34× the layer's attention at batch 1, 1.21× at
+8 sequences. The ticket's barrier, release-acquire atomic and the merge's L2 loads sit on the critical path and cost
+more than the launch they save.
 """
 from __future__ import annotations
 
@@ -26,13 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
-from services.gpu_worker.kernels import paging, pdl, v_pairs
+from services.gpu_worker.kernels import paging, v_pairs
 from services.gpu_worker.kv_cache import FP8_DTYPES, is_v_pairs
 
 BLOCK_N = 64
 MAX_SPLITS = 32
-# (keys per tile, warps, pipeline stages, fp16 dots, register cap or 0) of the split kernel, by cache dtype; `tile=`
-# overrides (the probe's sweep: bench/h200_probe.py --phases fp8tune). fp16 dots: q, the widened K/V tiles and p go
+# (keys per tile, warps, pipeline stages, fp16 dots, register cap or 0, assembly unpacking) of the split kernel, by
+# cache dtype; `tile=` overrides (bench/kernel_table.py --tile-sweep). fp16 dots: q, the widened K/V tiles and p go
 # into the tensor cores as fp16 instead of q's dtype. e4m3 widens to fp16 exactly, one instruction per pair (to bf16
 # it takes three more); a bf16 q is exact in fp16 from 2^-14 up, clamped at ±65504; p in [0, 1] keeps 3 more bits.
 # An FP8 cache moves half the bytes per tile for about the same instructions, so its tile is twice as long: on the
@@ -40,20 +38,15 @@ MAX_SPLITS = 32
 # NOTE: below 5 stages the pipeliner gives the K/V copies one buffer (the page-table load takes a stage), so a
 # program's copy of tile i+1 is waited for right after tile i's math; other programs on the SM hide that latency.
 # 5 stages double-buffer them, but cost shared memory, hence programs per SM; they measured no faster at 384
-# sequences. Also measured and dropped: widening V to 16 bits before its layout change (Triton reads an 8-bit
-# transposed operand from shared memory a byte at a time; widened first, it takes fewer instructions and
-# registers but a round trip through shared memory: 30 % slower); a 128-register cap (faster at 64 sequences,
-# slower at 384). docs/PERFORMANCE.md, "Twenty-first to twenty-third runs".
+# sequences. Widening V to 16 bits before its layout change was 30 % slower: Triton reads an 8-bit transposed
+# operand from shared memory a byte at a time, and widened first it takes a round trip through shared memory.
 # The sixth field, for an FP8 cache in key pairs with fp16 dots: unpack V's words with v_pairs._UNPACK_PTX instead
-# of Triton's conversion (fewer instructions; on the GPU only: under the interpreter it falls back). On the H200
-# (run 24) it took 32 layers at 384 sequences × 1504 keys from 11.06 to 10.75 ms, and 512 from 14.57 to 13.72.
+# of Triton's conversion (fewer instructions; on the GPU only: under the interpreter it falls back). On the H200 it
+# took 32 layers at 384 sequences × 1504 keys from 11.06 to 10.75 ms, and 512 from 14.57 to 13.72.
 # TILE_FP8_FEW: the FP8 tile with a 128-register cap, four programs per SM instead of three, for a launch of one
-# split and at most FEW_PROGRAMS programs, where the last wave is a large share of the work: at 64 sequences (512
-# programs) 1.87 against 2.48 ms, 128: 1.77 against 1.90, 256: 7.27 against 7.33; at 384 they tied (10.76, 10.75)
-# with 32 layers over one pool. Timed per layer over a cache of its own (bench/kernel_table.py, two runs in one call,
-# bench/results/kernel_table_h200_20261203_fp8_cap_r{1,2}.json), the cap wins at every batch up to 512 × 8 programs:
-# 384 × 1504 keys 327 against 336 µs, 448: 381-383 against 395-396, 512: 433-438 against 444, 512 × 1024 keys: 306
-# against 314. Above 512 sequences it has not been measured.
+# split and at most FEW_PROGRAMS programs, where the last wave is a large share of the work. On the H200 the cap was
+# faster at every batch measured, 64 to 512 sequences (at 384 × 1504 keys, 327 against 336 µs per layer); above 512
+# sequences it has not been measured, hence the bound.
 TILE = (BLOCK_N, 4, 2, False, 0, False)
 TILE_FP8 = (128, 4, 2, True, 0, True)
 TILE_FP8_FEW = (128, 4, 2, True, 128, True)
@@ -125,9 +118,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, vw_ptr, table_ptr, seq_lens_ptr, o
                    stride_knb, stride_knh, stride_vnb, stride_vnh,
                    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, NEW_TOKEN: tl.constexpr,
-                   F16_DOT: tl.constexpr, V_PAIRS: tl.constexpr, V_ASM: tl.constexpr, OFF64: tl.constexpr,
-                   USE_PDL: tl.constexpr):
-    pdl.wait_for_previous(USE_PDL)
+                   F16_DOT: tl.constexpr, V_PAIRS: tl.constexpr, V_ASM: tl.constexpr, OFF64: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -223,8 +214,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, vw_ptr, table_ptr, seq_lens_ptr, o
 
 @triton.jit
 def _decode_reduce_kernel(part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, num_heads,
-                          HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl.wait_for_previous(USE_PDL)
+                          HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, NUM_SPLITS)
@@ -271,11 +261,10 @@ def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_toke
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, NEW_TOKEN=new_token is not None, F16_DOT=f16_dot, V_PAIRS=pairs,
         V_ASM=asm, OFF64=paging.needs_off64(k_cache), num_warps=num_warps, num_stages=num_stages,
-        **({"maxnreg": max_regs} if max_regs else {}), **pdl.launch_options())
+        **({"maxnreg": max_regs} if max_regs else {}))
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            part, lse, out, out.stride(0), out.stride(1), num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-            **pdl.launch_options())
+            part, lse, out, out.stride(0), out.stride(1), num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits)
     return out
 
 

@@ -11,13 +11,11 @@ import torch
 import triton
 import triton.language as tl
 
-from services.gpu_worker.kernels import pdl
 
 
 @triton.jit
 def _embedding_fed_kernel(weight_ptr, ids_ptr, src_ptr, prev_ptr, out_ptr, hidden, stride_w, stride_o,
-                          BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl.wait_for_previous(USE_PDL)
+                          BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     src = tl.load(src_ptr + row).to(tl.int64)
@@ -39,8 +37,7 @@ def embedding_fed(weight: torch.Tensor, ids: torch.Tensor, src: torch.Tensor, pr
         return out
     assert weight.stride(1) == 1 and src.shape == ids.shape
     _embedding_fed_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        weight, ids, src, prev, out, hidden, weight.stride(0), out.stride(0), BLOCK=block, num_warps=4,
-        **pdl.launch_options())
+        weight, ids, src, prev, out, hidden, weight.stride(0), out.stride(0), BLOCK=block, num_warps=4)
     return out
 
 

@@ -2,8 +2,8 @@
 
 Opt-in (EngineConfig.gemv_max_tokens, 0 by default): the engine's matmuls run on cuBLAS unless it is set. At one
 token cuBLAS reads the q/k/v and o weights at 0.68 and 0.54 of the H200's copy bandwidth; this kernel reads them at
-0.80 and 0.73, and the engine's batch-1 step with it takes 0.928 of cuBLAS's time (docs/PERFORMANCE.md, "Thirty-fourth
-and thirty-fifth runs"). At 8 tokens its dot path is slower than cuBLAS.
+0.80 and 0.73, and the engine's batch-1 step with it takes 0.928 of cuBLAS's time. At 8 tokens its dot path is
+slower than cuBLAS.
 
 Each program owns BLOCK_N rows of the weight and one of `parts` equal slices of K, and walks its slice BLOCK_K
 columns at a time. With one token it multiplies element-wise into a [BLOCK_N, BLOCK_K] fp32 accumulator and sums
@@ -11,24 +11,22 @@ across K once at the end; with 2..16 tokens it pads x to 16 rows and uses tl.dot
 dtype (plus the bias, if any); parts > 1 writes the fp32 partials [parts, M, N] that kernels/rms_norm.py sums, as
 model/fused.py's split-K cuBLAS call does.
 
-Which tile a shape gets: TUNED[(n, k, parts, m_bucket)] where present (measured on the H200 by
-`bench/h200_probe.py --phases gemv_triton`), else `heuristic_config`.
+Which tile a shape gets: TUNED[(n, k, parts, m_bucket)] where present (measured on the H200), else
+`heuristic_config`.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from services.gpu_worker.kernels import pdl
 
 MAX_TOKENS = 16  # the dot path pads x to 16 rows
 # o_proj's and down_proj's slices of K on this kernel (model/fused.py); 1: whole rows in the activation dtype, which
 # also spares the next RMSNorm the sum of fp32 partials. On the H200, o + down at one token: 44.2 µs at 1 part, 44.4
-# at 2 (h200_probe_20261203_o_gemv_wide.json); 45.5 at 4 (h200_probe_20261203_n_gemv.json)
+# at 2, 45.5 at 4.
 ROW_PARTS = 1
 
 
@@ -40,36 +38,16 @@ class GemvConfig(NamedTuple):
 
 
 # (n, k, parts, m_bucket) → GemvConfig; m_bucket is 1 (one token) or 16 (2..16 tokens). The H200's fastest tiles at
-# one token for Llama-3.1-8B's projections: of 64 tiles each (`bench/h200_probe.py --phases gemv_engine --gemv-wide`,
-# bench/results/h200_probe_20261203_o_gemv_wide.json), then of 12 around the best (`--gemv-tiles`,
-# h200_probe_20261203_p_gemv_edge.json). The dot path at 8 tokens was slower than cuBLAS with every tile tried
-# (h200_probe_20261203_n_gemv.json), so it has no entries.
+# one token for Llama-3.1-8B's projections at ROW_PARTS (bench/kernel_table.py --gemv-sweep, then gemv_tuning): of
+# 64 tiles each, then of 12 around the best. The dot path at 8 tokens was slower than cuBLAS with every tile tried,
+# so it has no entries.
 TUNED: dict[tuple[int, int, int, int], GemvConfig] = {
     (6144, 4096, 1, 1): GemvConfig(2, 4096, 4),  # q/k/v: 14.92 µs, cuBLAS 17.46
     (4096, 4096, 1, 1): GemvConfig(2, 4096, 4),  # o: 10.81 µs, cuBLAS 14.67 (12.24 split-K in 4, the engine's form)
-    (4096, 4096, 2, 1): GemvConfig(4, 512, 2),
     (28672, 4096, 1, 1): GemvConfig(2, 4096, 4),  # gate/up: 58.02 µs, cuBLAS 63.76
     (4096, 14336, 1, 1): GemvConfig(4, 2048, 4),  # down: 32.89 µs, cuBLAS 35.90 (33.95 split-K in 4)
-    (4096, 14336, 2, 1): GemvConfig(4, 1024, 4),
     (128256, 4096, 1, 1): GemvConfig(2, 4096, 4),  # LM head: 241.0 µs, cuBLAS 252.1
 }
-
-
-@contextlib.contextmanager
-def tiles_as(table: dict, row_parts: int):
-    """Within the block, TUNED is `table` and ROW_PARTS `row_parts` (a benchmark capturing graphs under tiles it
-    measured); both are restored after it."""
-    global ROW_PARTS
-    saved = dict(TUNED), ROW_PARTS
-    TUNED.clear()
-    TUNED.update(table)
-    ROW_PARTS = row_parts
-    try:
-        yield
-    finally:
-        TUNED.clear()
-        TUNED.update(saved[0])
-        ROW_PARTS = saved[1]
 
 
 def m_bucket(num_tokens: int) -> int:
@@ -92,14 +70,13 @@ def config_for(n: int, k: int, parts: int, num_tokens: int) -> GemvConfig:
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, k_per_part, stride_xm, stride_wn, stride_op, stride_om,
                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, USE_PDL: tl.constexpr):
+                 EVEN_K: tl.constexpr):
     pid_n = tl.program_id(0)
     part = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     k_lo = part * k_per_part
     w_rows = w_ptr + offs_n[:, None] * stride_wn + k_lo
-    pdl.wait_for_previous(USE_PDL)
     if BLOCK_M == 1:
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, k_per_part, BLOCK_K):
@@ -157,8 +134,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x, weight, bias if bias is not None else weight, out, num_tokens, n, k_per_part, x.stride(0),
         weight.stride(0), stride_op, out.stride(-2), HAS_BIAS=bias is not None,
         BLOCK_M=1 if num_tokens == 1 else MAX_TOKENS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        EVEN_K=k_per_part % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl.launch_options())
+        EVEN_K=k_per_part % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 

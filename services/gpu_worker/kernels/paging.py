@@ -2,8 +2,8 @@
 
 A cache layer [P, S, KVH, D] of fewer than 2^31 elements (590 M for Llama-3.1-8B's whole pool on an H200) is
 addressed with int32 offsets: the key loops then compute them without 64-bit multiplies (compiled for the H200, the
-FP8 decode loop over 128 keys issues 15 % fewer instructions: docs/PERFORMANCE.md, "Offline: the FP8 V cache in
-key pairs"). Larger layers take int64 (OFF64, which the launchers set from the cache's size).
+FP8 decode loop over 128 keys issues 15 % fewer instructions). Larger layers take int64 (OFF64, which the
+launchers set from the cache's size).
 """
 from __future__ import annotations
 

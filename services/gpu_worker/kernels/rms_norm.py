@@ -10,18 +10,16 @@ import torch
 import triton
 import triton.language as tl
 
-from services.gpu_worker.kernels import pdl
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_part, stride_x, stride_r, stride_o,
                      stride_ro, hidden, eps, HAS_RESIDUAL: tl.constexpr, NUM_PARTS: tl.constexpr,
-                     BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+                     BLOCK: tl.constexpr):
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # a weight: no kernel writes it
-    pdl.wait_for_previous(USE_PDL)
     if NUM_PARTS == 1:
         x = tl.load(x_ptr + t * stride_x + offs, mask=mask, other=0.0)
     else:
@@ -60,7 +58,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     _rms_norm_kernel[(num_tokens,)](
         parts, res, weight, out, res_out, parts.stride(0), parts.stride(1), res.stride(0), out.stride(0),
         res_out.stride(0), hidden, eps, HAS_RESIDUAL=residual is not None, NUM_PARTS=num_parts, BLOCK=block,
-        num_warps=num_warps or min(16, max(1, block // 256)), **pdl.launch_options())
+        num_warps=num_warps or min(16, max(1, block // 256)))
     return out, res_out
 
 

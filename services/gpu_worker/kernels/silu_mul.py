@@ -6,12 +6,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from services.gpu_worker.kernels import pdl
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_xt, stride_ot, inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl.wait_for_previous(USE_PDL)
+def _silu_mul_kernel(x_ptr, out_ptr, stride_xt, stride_ot, inter, BLOCK: tl.constexpr):
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -30,7 +28,7 @@ def silu_mul(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
         return out
     assert x.stride(1) == 1
     _silu_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
-        x, out, x.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4, **pdl.launch_options())
+        x, out, x.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4)
     return out
 
 

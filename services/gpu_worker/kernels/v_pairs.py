@@ -9,7 +9,7 @@ so with stride_cs = KVH · D the byte of (slot, kv head, d) lies at
 and the cache read as int16 holds, at (slot // 2) · stride_cs + kvh · D + d, keys 2j (low byte) and 2j + 1 (high
 byte) of one d. A P·V product then splits P's columns into even and odd keys and multiplies each half by one byte
 of the words, which load with 16-bit transposed shared-memory reads (LDSM.MT); an 8-bit V [keys, D] takes one
-shared-memory read per byte instead (bench/sass_report.py shows both).
+shared-memory read per byte instead (LDS.U8 in the compiled sm_90 code).
 """
 from __future__ import annotations
 

@@ -3,13 +3,8 @@ RMSNorm(+residual), RoPE(+KV write) and SiLU·mul kernels. Same function as the 
 
 At up to 32 tokens (decode steps of small batches) o_proj and down_proj run split-K: a strided batched cuBLAS GEMM
 over SPLIT_K_PARTS slices of K with fp32 outputs, whose sum the next RMSNorm kernel takes (kernels/rms_norm.py).
-At M = 1 on the H200 that is 11.5 µs against F.linear's 13.9 µs for o_proj and 30.4 against 32.6 µs for down_proj
-(bench/h200_probe.py --phases gemv_split): cuBLAS's own choice for these shapes leaves SMs idle and adds a reduce
-kernel of its own.
-
-With model.l2_prefetcher set (EngineConfig.l2_prefetch, off by default: slower on the H200), steps of few tokens
-have a side stream ask the L2 for the leading bytes of each GEMM's weight while the small kernels before that GEMM
-run (kernels/l2_prefetch.py).
+At M = 1 on the H200 that is 11.5 µs against F.linear's 13.9 µs for o_proj and 30.4 against 32.6 µs for down_proj:
+cuBLAS's own choice for these shapes leaves SMs idle and adds a reduce kernel of its own.
 
 With model.gemv_max_tokens > 0 (EngineConfig.gemv_max_tokens: 1 by default on one CUDA GPU), steps of at most that
 many tokens run their four projections and the LM head on the Triton GEMV (kernels/gemv.py) instead of cuBLAS: the
@@ -28,7 +23,6 @@ from torch import nn
 from services.gpu_worker.attention.base import AttentionBackend, AttentionMetadata
 from services.gpu_worker.kernels import gemv as triton_gemv
 from services.gpu_worker.kernels.embedding import embedding_fed
-from services.gpu_worker.kernels.l2_prefetch import NO_PREFETCH, L2Prefetcher, NoPrefetch
 from services.gpu_worker.kernels.rms_norm import rms_norm
 from services.gpu_worker.kernels.rope import rope_
 from services.gpu_worker.kernels.silu_mul import silu_mul
@@ -39,7 +33,7 @@ if TYPE_CHECKING:
 
 SPLIT_K_PARTS = 4
 # the default of model.split_k_max_tokens (0: never split). H200 graph replay of the whole forward, split-K over
-# F.linear: 0.976 at 1 token, 0.967-0.976 at 2 to 32, 0.993 at 64 (bench/h200_probe.py --phases splitk)
+# F.linear: 0.976 at 1 token, 0.967-0.976 at 2 to 32, 0.993 at 64
 SPLIT_K_MAX_TOKENS = 32
 
 
@@ -82,22 +76,13 @@ def forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, 
     gemv = 0 < num_tokens <= model.gemv_max_tokens  # the projections on the Triton GEMV (kernels/gemv.py)
     if gemv:
         num_parts = triton_gemv.ROW_PARTS if model.tp is None else 1
-    pf = model.l2_prefetcher
-    if pf is None or not pf.active(num_tokens):
-        pf = NO_PREFETCH
     for layer in model.model.layers:
-        pf.issue("qkv", layer.self_attn.qkv_weight)  # during the RMSNorm: the q/k/v weight's leading bytes into L2
         x, residual = rms_norm(h, layer.input_layernorm.weight, eps, residual)
-        h = _attention(layer.self_attn, x, positions, model.inv_freq, cache, meta, backend, num_parts, gemv, pf)
-        pf.issue("gate_up", layer.mlp.gate_up_weight)
+        h = _attention(layer.self_attn, x, positions, model.inv_freq, cache, meta, backend, num_parts, gemv)
         x, residual = rms_norm(h, layer.post_attention_layernorm.weight, eps, residual)
         gate_up = _column_projection(x, layer.mlp.gate_up_weight, None, gemv)  # [T, 2 I] (I: this rank's share)
-        pf.issue("down", layer.mlp.down_proj.weight, num_parts)  # during SiLU·mul
         h = _reduce(_row_projection(silu_mul(gate_up), layer.mlp.down_proj.weight, num_parts, gemv), layer.mlp.tp)
-    # during the final norm: the LM head's (model.logits runs after the forward)
-    pf.issue("lm_head", model.lm_head.weight if hasattr(model, "lm_head") else model.model.embed_tokens.weight)
     out, _ = rms_norm(h, model.model.norm.weight, eps, residual)
-    pf.join()
     return out
 
 
@@ -123,13 +108,12 @@ def _row_projection(x: torch.Tensor, weight: torch.Tensor, num_parts: int, gemv:
 
 
 def _attention(attn: nn.Module, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-               cache: KVCache, meta: AttentionMetadata, backend: AttentionBackend, num_parts: int, gemv: bool,
-               pf: L2Prefetcher | NoPrefetch) -> torch.Tensor:
+               cache: KVCache, meta: AttentionMetadata, backend: AttentionBackend, num_parts: int,
+               gemv: bool) -> torch.Tensor:
     num_tokens = x.shape[0]
     num_heads, num_kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
     qkv = _column_projection(x, attn.qkv_weight, attn.qkv_bias, gemv)
     qkv = qkv.view(num_tokens, num_heads + 2 * num_kv_heads, head_dim)
-    pf.issue("o", attn.o_proj.weight, num_parts)  # during the attention: o_proj's leading bytes into L2
     q = qkv[:, :num_heads]  # [T, H, D] views
     k = qkv[:, num_heads: num_heads + num_kv_heads]  # [T, KVH, D]
     v = qkv[:, num_heads + num_kv_heads:]  # [T, KVH, D]

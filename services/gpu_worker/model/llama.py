@@ -125,7 +125,6 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("inv_freq", inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
                              persistent=False)
         self.is_fused = False
-        self.l2_prefetcher = None  # the fused forward's L2Prefetcher (kernels/l2_prefetch.py), set by the engine
         # fused forward: steps of at most this many tokens run the projections and the LM head on the Triton GEMV
         # (kernels/gemv.py) instead of cuBLAS; 0: never. Set by the engine (EngineConfig.gemv_max_tokens).
         self.gemv_max_tokens = 0
