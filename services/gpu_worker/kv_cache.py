@@ -9,8 +9,7 @@ byte, [S/2, KVH, D, 2] in place of [S, KVH, D]. Attention multiplies P [queries,
 tensor cores take V with two consecutive keys per 32-bit register: from 8-bit rows (D contiguous) the kernel
 gathers those byte by byte from shared memory; from pairs one 16-bit transposed read serves two keys. On the H200
 the decode attention at 384 sequences × 1504 keys (32 layers) took 11.32 ms over rows, 11.06 over pairs and 10.75
-over pairs with v_pairs.py's unpacking assembly, the default (docs/PERFORMANCE.md, "Twenty-fourth to
-twenty-seventh runs"; bench/sass_report.py shows the instructions). K is read as rows (Q·Kᵀ wants D
+over pairs with v_pairs.py's unpacking assembly, the default (docs/PERFORMANCE.md, levers tried). K is read as rows (Q·Kᵀ wants D
 contiguous). Pages still move whole (prefix copies, PD transfers), and both ends of a transfer share the dtype,
 hence the layout. v_rows() gives the rows back, for the torch paths and the references.
 """

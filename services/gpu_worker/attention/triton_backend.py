@@ -27,8 +27,8 @@ class TritonAttention(AttentionBackend):
                  mixed_decodes_to_decode_kernel: bool = True) -> None:
         # False: rope_kv_write_ then the decode kernel, as before decode_attention_rope (benchmarks compare both)
         self.fuse_decode = fuse_decode
-        # On by default: W1's shape on the H200, four runs in turn, gave 1.026× and 1.036× the output throughput
-        # of the extend-kernel path (bench/h200_probe.py --phases mixed; docs/PERFORMANCE.md)
+        # On by default: a mixed step's one-token decodes go to the decode kernel, not the extend kernel; on the
+        # H200 that raised W1's output throughput by 3 % (docs/PERFORMANCE.md, levers tried)
         self.mixed_decodes_to_decode_kernel = mixed_decodes_to_decode_kernel
         self.num_sms = num_sms or (torch.cuda.get_device_properties(0).multi_processor_count
                                    if torch.cuda.is_available() else 1)
