@@ -15,7 +15,15 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.gpu_worker.gemv_option import parse_gemv_max_tokens
+from services.gpu_worker.config import WorkerConfig
+from services.scheduler.config import SchedulerConfig
+from shared.config import config_argument
+
+# Flags serve declares from the services' own config fields (their defaults, choices, help and checks) and passes
+# on unchanged to each child of that service.
+WORKER_FIELDS = ("model", "dtype", "num_pages", "kv_cache_dtype", "gemv_max_tokens", "max_num_batched_tokens",
+                 "max_num_seqs")
+SCHEDULER_FIELDS = ("routing", "pd_policy", "pd_min_prefill_tokens")
 
 
 @dataclass
@@ -85,54 +93,33 @@ def _stop_redis(server: object) -> None:
     server.shutdown()
 
 
-def _gemv_max_tokens(text: str) -> str:
-    """--gemv-max-tokens, checked here so that a bad value stops serve before any worker; passed on as text."""
-    try:
-        value = parse_gemv_max_tokens(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return "auto" if value is None else str(value)
-
-
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="bundled",
-                        help='"bundled" (SmolLM2-135M-Instruct), a Hugging Face directory, or random:<preset>')
+    config_argument(parser, WorkerConfig, "model")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--workers", type=int, default=1, help="gpu_worker processes (one per GPU on CUDA)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
-                        help="shard each worker's model over N ranks (N GPUs per worker on CUDA; mixed workers only)")
+    config_argument(parser, WorkerConfig, "tensor_parallel_size", metavar="N",
+                    help="shard each worker's model over N ranks (N GPUs per worker on CUDA; mixed workers only)")
     parser.add_argument("--tokenizers", type=int, default=1, help="tokenizer replicas")
     parser.add_argument("--redis-url", default="", help="use this Redis instead of the embedded one")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--num-pages", type=int, default=0, help="KV pages per worker (0: sized automatically)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
-                        help="auto: the model's dtype; fp8: e4m3, half the bytes per cached token (not bit-exact)")
-    parser.add_argument("--gemv-max-tokens", type=_gemv_max_tokens, default="auto", metavar="N",
-                        help="CUDA: decode steps of at most N tokens (0-16) run their matmuls on the Triton GEMV "
-                             "instead of cuBLAS (0: never; auto, the default: 1 with one GPU per worker, which makes "
-                             "batch-1 decode about 7%% faster on the H200, else 0)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=0,
-                        help="token budget of one engine step (0: from the device: 512 on the CPU, 8192 on CUDA)")
-    parser.add_argument("--max-num-seqs", type=int, default=0,
-                        help="most sequences running at once per worker (0: from the device: 256 on the CPU; on "
-                             "CUDA as many as the KV pool holds at 2048 tokens each, 16-1024)")
+    config_argument(parser, WorkerConfig, "device")
+    for name in WORKER_FIELDS[1:]:
+        config_argument(parser, WorkerConfig, name, **({"metavar": "N"} if name == "gemv_max_tokens" else {}))
     parser.add_argument("--no-prefix-cache", action="store_true", help="turn the radix prefix cache off")
-    parser.add_argument("--routing", default="cache_aware", choices=["cache_aware", "least_load", "round_robin"],
-                        help="how the scheduler picks a worker for each request")
+    for name in SCHEDULER_FIELDS:
+        config_argument(parser, SchedulerConfig, name)
     parser.add_argument("--pd", default="", metavar="P:D",
                         help="prefill/decode disaggregation: P prefill + D decode workers (replaces --workers)")
-    parser.add_argument("--pd-policy", default="auto", choices=["auto", "always", "never"],
-                        help="with --pd: split every request (always), none (never), or long uncached ones (auto)")
-    parser.add_argument("--pd-min-prefill-tokens", type=int, default=256,
-                        help="--pd-policy auto: split when the decode worker would prefill at least this many tokens")
-    parser.add_argument("--kv-transfer", default="auto", choices=["auto", "shm", "cuda_ipc", "stream"],
-                        help="with --pd: how decode workers pull KV pages (auto: by placement)")
+    config_argument(parser, WorkerConfig, "kv_transfer")
     parser.add_argument("--api-key", action="append", default=[], help="require this API key (repeatable)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="on SIGTERM, seconds in-flight requests may take to finish before everything stops")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the first worker")
+
+
+def _flags(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
+    """--field-name VALUE for each of names, as the child service's load_config reads them."""
+    return [part for name in names for part in ("--" + name.replace("_", "-"), str(getattr(args, name)))]
 
 
 def build_suite(args: argparse.Namespace, run_dir: Path) -> Suite:
@@ -148,18 +135,13 @@ def build_suite(args: argparse.Namespace, run_dir: Path) -> Suite:
                                                 "--redis-url", redis_url]))
     suite.children.append(Child("scheduler", ["services.scheduler", "--scheduler-addr", sched,
                                               "--redis-url", redis_url, "--cache-index-addr", index,
-                                              "--routing", args.routing, "--pd-policy", args.pd_policy,
-                                              "--pd-min-prefill-tokens", str(args.pd_min_prefill_tokens)]))
+                                              *_flags(args, SCHEDULER_FIELDS)]))
     tp = args.tensor_parallel_size
     for i, (name, role) in enumerate(worker_roles(args)):
         device, env = _worker_placement(args.device, i, tp)
         argv = ["services.gpu_worker", "--worker-id", name, "--worker-addr", ipc(name),
-                "--scheduler-addrs", sched, "--cache-index-addr", index, "--model", args.model,
-                "--device", device, "--dtype", args.dtype, "--tensor-parallel-size", str(tp),
-                "--num-pages", str(args.num_pages), "--kv-cache-dtype", args.kv_cache_dtype,
-                "--gemv-max-tokens", str(args.gemv_max_tokens),
-                "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                "--max-num-seqs", str(args.max_num_seqs),
+                "--scheduler-addrs", sched, "--cache-index-addr", index, "--device", device,
+                "--tensor-parallel-size", str(tp), *_flags(args, WORKER_FIELDS),
                 "--enable-prefix-cache", "false" if args.no_prefix_cache else "true"]
         if role != "mixed":
             argv += ["--role", role, "--kv-transfer", args.kv_transfer, "--transfer-addr", ipc(f"{name}-kv")]

@@ -1,15 +1,23 @@
-"""The gpu_worker service's one frozen config (CLI flags / RADIXSERVE_* env), and the EngineConfig it implies."""
+"""The gpu_worker service's one frozen config (CLI flags / RADIXSERVE_* env), and the EngineConfig it implies.
+
+NOTE: torch-free to import (torch loads only when a config is built), so that `radixserve serve` takes its
+workers' flags, choices and help from this dataclass.
+"""
 from __future__ import annotations
 
 import os
 import socket
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from services.gpu_worker.engine_config import KV_CACHE_DTYPES, EngineConfig
 from services.gpu_worker.gemv_option import GEMV_MAX_TOKENS_LIMIT, parse_gemv_max_tokens
-from services.gpu_worker.kv_cache import check_page_size
+from shared.config import check_fields
+
+if TYPE_CHECKING:
+    from services.gpu_worker.engine_config import EngineConfig
 
 ROLES = ("mixed", "prefill", "decode")
+KV_TRANSFERS = ("auto", "shm", "cuda_ipc", "stream")
 
 
 @dataclass(frozen=True)
@@ -22,7 +30,7 @@ class WorkerConfig:
     scheduler_addrs: str = field(default="tcp://127.0.0.1:5560",
                                  metadata={"help": "comma-separated scheduler ROUTER addresses"})
     cache_index_addr: str = field(default="", metadata={"help": "cache_index PULL address (empty: no KV events)"})
-    role: str = field(default="mixed", metadata={"help": "mixed, prefill or decode"})
+    role: str = field(default="mixed", metadata={"help": "mixed, prefill or decode", "choices": ROLES})
     model: str = field(default="bundled", metadata={"help": "bundled, a Hugging Face directory, or random:<preset>"})
     device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:N"})
     dtype: str = field(default="auto", metadata={"help": "auto, float32, bfloat16, float16"})
@@ -30,11 +38,12 @@ class WorkerConfig:
     page_size: int = field(default=16, metadata={"help": "tokens per KV page (and per hashed block)"})
     num_pages: int = field(default=0, metadata={"help": "KV pages (0: sized automatically)"})
     kv_cache_dtype: str = field(default="auto", metadata={
-        "help": "auto (the model's dtype) or fp8 (e4m3: half the bytes per cached token, not bit-exact)"})
+        "help": "auto (the model's dtype) or fp8 (e4m3: half the bytes per cached token, not bit-exact)",
+        "choices": ("auto", "fp8")})
     gemv_max_tokens: str = field(default="auto", metadata={
         "help": f"CUDA: steps of at most this many tokens (0-{GEMV_MAX_TOKENS_LIMIT}) run their matmuls on the Triton "
                 "GEMV instead of cuBLAS (0: never, all on cuBLAS; auto: 1 on a single-GPU worker, which speeds up "
-                "batch-1 decode on the H200, else 0)"})
+                "batch-1 decode on the H200, else 0)", "parse": parse_gemv_max_tokens})
     max_num_batched_tokens: int = field(default=0, metadata={
         "help": "token budget of one engine step (0: from the device: 512 on the CPU, 8192 on CUDA)"})
     max_num_seqs: int = field(default=0, metadata={
@@ -49,7 +58,8 @@ class WorkerConfig:
     transfer_addr: str = field(default="tcp://127.0.0.1:0",
                                metadata={"help": "prefill role: ROUTER address serving KV pages (stream backend)"})
     kv_transfer: str = field(default="auto", metadata={"help": "decode side: auto (by placement), shm, cuda_ipc "
-                                                               "or stream; prefill side: stream disables shm"})
+                                                               "or stream; prefill side: stream disables shm",
+                                                       "choices": KV_TRANSFERS})
     lease_ttl_s: float = field(default=30.0,
                                metadata={"help": "prefill role: seconds a decode worker has to pull a prompt's KV"})
     host_id: str = field(default="", metadata={"help": "placement identity for KV transfer (empty: hostname)"})
@@ -57,25 +67,27 @@ class WorkerConfig:
     log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, not {self.role!r}")
+        check_fields(self)
         if not self.scheduler_addr_list:
             raise ValueError("scheduler_addrs names no scheduler")
         if self.heartbeat_interval_s <= 0:
             raise ValueError("heartbeat_interval_s must be > 0")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be auto or fp8, not {self.kv_cache_dtype!r}")
-        if KV_CACHE_DTYPES[self.kv_cache_dtype] is not None:
-            check_page_size(KV_CACHE_DTYPES[self.kv_cache_dtype], self.page_size)
-        parse_gemv_max_tokens(self.gemv_max_tokens)
-        if self.kv_transfer not in ("auto", "shm", "cuda_ipc", "stream"):
-            raise ValueError(f"kv_transfer must be auto, shm, cuda_ipc or stream, not {self.kv_transfer!r}")
         if self.lease_ttl_s <= 0 or self.num_pull_threads < 1:
             raise ValueError("lease_ttl_s must be > 0 and num_pull_threads >= 1")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
         if self.tensor_parallel_size > 1 and self.role != "mixed":
             raise ValueError(f"tensor parallelism runs the mixed role only, not {self.role!r} (no PD handoff yet)")
+        self._check_engine_config()
+
+    def _check_engine_config(self) -> None:
+        """The engine's own checks of the fields it takes (here torch loads), and the FP8 cache's page rule."""
+        from services.gpu_worker.engine_config import KV_CACHE_DTYPES
+        from services.gpu_worker.kv_cache import check_page_size
+
+        self.engine_config()
+        if KV_CACHE_DTYPES[self.kv_cache_dtype] is not None:
+            check_page_size(KV_CACHE_DTYPES[self.kv_cache_dtype], self.page_size)
 
     @property
     def scheduler_addr_list(self) -> list[str]:
@@ -90,6 +102,8 @@ class WorkerConfig:
         return self.host_id or socket.gethostname()
 
     def engine_config(self) -> EngineConfig:
+        from services.gpu_worker.engine_config import EngineConfig
+
         return EngineConfig(model=self.model, device=self.device, dtype=self.dtype, page_size=self.page_size,
                             num_pages=self.num_pages or None, kv_cache_dtype=self.kv_cache_dtype,
                             gemv_max_tokens=parse_gemv_max_tokens(self.gemv_max_tokens),

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from services.scheduler.pairing import PD_POLICIES
 from services.scheduler.policy import POLICIES, CostWeights
+from shared.config import check_fields
 
 AUTO_REQUESTS_PER_SEQ = 2  # auto per-worker limit: the worker's running batch and one more wave in its own queue
 FALLBACK_REQUESTS_PER_WORKER = 512  # auto, for a worker that reports no max_num_seqs (an older worker)
@@ -42,7 +43,8 @@ class SchedulerConfig:
         default=10.0, metadata={"help": "seconds the abort or end of a request unknown here is remembered, so the "
                                         "request is not taken on if a tokenizer hands it over from a dead "
                                         "scheduler (0: off)"})
-    routing: str = field(default="cache_aware", metadata={"help": "routing policy: " + ", ".join(POLICIES)})
+    routing: str = field(default="cache_aware", metadata={"help": "how the scheduler picks a worker for each request",
+                                                         "choices": POLICIES})
     route_request_tokens: float = field(
         default=64.0, metadata={"help": "cache_aware: cost, in prompt tokens, of each active request on a worker"})
     route_kv_tokens: float = field(
@@ -57,8 +59,9 @@ class SchedulerConfig:
     redis_timeout_s: float = field(default=0.05, metadata={"help": "longest a prefix lookup may take"})
     redis_retry_s: float = field(default=5.0,
                                  metadata={"help": "after a Redis error, seconds of load-only routing before retrying"})
-    pd_policy: str = field(default="auto", metadata={"help": "with prefill workers up: " + ", ".join(PD_POLICIES)
-                                                             + " (auto: split only long uncached prompts)"})
+    pd_policy: str = field(default="auto", metadata={
+        "help": "with prefill workers up: split every request (always), none (never), or long uncached ones (auto)",
+        "choices": PD_POLICIES})
     pd_min_prefill_tokens: int = field(
         default=256, metadata={"help": "pd auto: split a request when its decode/mixed worker would prefill at "
                                        "least this many uncached tokens"})
@@ -67,16 +70,13 @@ class SchedulerConfig:
     log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
 
     def __post_init__(self) -> None:
-        if self.routing not in POLICIES:
-            raise ValueError(f"routing must be one of {', '.join(POLICIES)}, not {self.routing!r}")
+        check_fields(self)
         if min(self.max_queue, self.max_queued_tokens, self.max_requests_per_worker) < 0:
             raise ValueError("max_queue, max_queued_tokens and max_requests_per_worker must be >= 0")
         if min(self.heartbeat_timeout_s, self.redis_timeout_s, self.redis_retry_s) <= 0:
             raise ValueError("heartbeat_timeout_s, redis_timeout_s, redis_retry_s must be > 0")
         if self.max_queue_wait_s < 0:
             raise ValueError("max_queue_wait_s must be >= 0 (0: no limit)")
-        if self.pd_policy not in PD_POLICIES:
-            raise ValueError(f"pd_policy must be one of {', '.join(PD_POLICIES)}, not {self.pd_policy!r}")
         if self.pd_min_prefill_tokens < 0:
             raise ValueError("pd_min_prefill_tokens must be >= 0")
         if self.max_imbalance_ratio < 1 or self.max_imbalance_requests < 0:
