@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import random
 
+import msgspec
 import pytest
 import torch
 
@@ -66,7 +67,7 @@ def test_seeded_sample_is_the_same_alone_and_batched() -> None:
     alone = _tokens(_engine(), prompt, SEEDED)
     others = [_prompt(n, seed=10 + n) for n in (5, 40, 17)]
     other_params = [SamplingParams(max_tokens=20, temperature=1.0),
-                    dataclasses.replace(SEEDED, seed=8, max_tokens=5),
+                    msgspec.structs.replace(SEEDED, seed=8, max_tokens=5),
                     SamplingParams(max_tokens=9, temperature=0.5, top_k=20)]
     engine = _engine(max_num_batched_tokens=16)
     results = engine.generate(others[:2] + [prompt] + others[2:], other_params[:2] + [SEEDED] + other_params[2:])
@@ -78,14 +79,14 @@ def test_different_seeds_differ() -> None:
     prompt = _prompt(23, seed=1)
     engine = _engine()
     seven = _tokens(engine, prompt, SEEDED)
-    eight = _tokens(engine, prompt, dataclasses.replace(SEEDED, seed=8))
+    eight = _tokens(engine, prompt, msgspec.structs.replace(SEEDED, seed=8))
     assert seven != eight
     assert _tokens(engine, prompt, SEEDED) == seven
 
 
 def test_n_seeded_samples_are_distinct_and_reproducible() -> None:
     prompt = _prompt(23, seed=1)
-    params = dataclasses.replace(SEEDED, n=3)
+    params = msgspec.structs.replace(SEEDED, n=3)
     first = [s.token_ids for s in _engine().generate([prompt], params)[0].samples]
     again = [s.token_ids for s in _engine().generate([prompt], params)[0].samples]
     assert len({tuple(t) for t in first}) == 3
