@@ -61,6 +61,7 @@ def _assert_no_leak(engine: Engine) -> None:
     assert engine.pool.num_free + engine.cache.num_cached_pages == engine.num_pages - 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", PRESETS)
 def test_batched_greedy_equals_transformers(preset: str) -> None:
     prompts, reference = _reference(preset)
@@ -69,6 +70,7 @@ def test_batched_greedy_equals_transformers(preset: str) -> None:
     _assert_no_leak(engine)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
 def test_chunked_prefill_equals_transformers(preset: str) -> None:
     prompts, reference = _reference(preset)
@@ -77,6 +79,7 @@ def test_chunked_prefill_equals_transformers(preset: str) -> None:
     assert engine.stats().num_steps > len(prompts)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2"])
 def test_prefix_cache_hits_equal_transformers(preset: str) -> None:
     prompts, reference = _reference(preset, shared=37)
@@ -90,6 +93,7 @@ def test_prefix_cache_hits_equal_transformers(preset: str) -> None:
     _assert_no_leak(engine)
 
 
+@pytest.mark.slow
 def test_prefix_cache_off_never_hits() -> None:
     prompts, reference = _reference("tiny-llama", shared=37)
     engine = _engine("tiny-llama", enable_prefix_cache=False)
@@ -100,6 +104,7 @@ def test_prefix_cache_off_never_hits() -> None:
     assert engine.pool.num_free == engine.num_pages - 1
 
 
+@pytest.mark.slow
 def test_requests_joining_mid_flight_equal_transformers() -> None:
     prompts, reference = _reference("tiny-llama")
     engine = _engine("tiny-llama", max_num_batched_tokens=32)
@@ -115,6 +120,7 @@ def test_requests_joining_mid_flight_equal_transformers() -> None:
     assert [outputs[f"r{i}"] for i in range(len(prompts))] == [ref[0] for ref in reference]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("enable_prefix_cache", [True, False])
 def test_preemption_recomputes_exactly(enable_prefix_cache: bool) -> None:
     prompts, reference = _reference("tiny-llama")
@@ -125,6 +131,7 @@ def test_preemption_recomputes_exactly(enable_prefix_cache: bool) -> None:
     _assert_no_leak(engine)
 
 
+@pytest.mark.slow
 def test_n_samples_share_prompt_pages() -> None:
     loaded = _loaded("tiny-llama")
     prompt = list(range(1, 42))

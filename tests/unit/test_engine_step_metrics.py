@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 
+import pytest
 import torch
 
 from services.gpu_worker.engine import Engine
@@ -46,6 +47,7 @@ def _bucket_counts(bounds: list[float], values: list[float]) -> list[int]:
     return counts
 
 
+@pytest.mark.slow
 def test_counters_with_a_shared_prefix_and_preemption() -> None:
     engine = _engine(num_pages=21)  # 20 usable pages: two 57-token sequences (15 pages each, 3 shared) do not fit
     plans = _record_plans(engine)
@@ -80,6 +82,7 @@ def test_counters_with_a_shared_prefix_and_preemption() -> None:
     assert snapshot.step_tokens.counts == recorder.step_tokens.counts
 
 
+@pytest.mark.slow
 def test_a_sequence_preempted_during_its_prefill_counts_once() -> None:
     engine = _engine(num_pages=11, max_num_batched_tokens=8)  # 10 pages; prompts prefilled in chunks
     victims: list[int] = []  # output tokens of each preempted sequence

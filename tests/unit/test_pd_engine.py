@@ -144,6 +144,7 @@ def _pool_is_clean(engine_loop: EngineLoop) -> bool:
     return load.num_leased_pages == 0 and load.num_total_pages - load.num_free_pages == load.num_cached_pages
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
 def test_prefill_hands_off_after_the_first_token_and_frees_on_release_or_expiry(overlap: bool) -> None:
     now = [100.0]

@@ -74,6 +74,7 @@ def _rank_model_logits(preset_name: str) -> list[list]:
     return [step.tolist() for step in _model_logits(preset_name, current_group(TP))]  # MessagePack types
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset_name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])  # GQA; q/k/v bias; qk-norm
 def test_sharded_forward_equals_the_whole_model(preset_name: str) -> None:
     expected = _model_logits(preset_name, None)
@@ -162,6 +163,7 @@ def _rank_drive(preset_name: str, overlap: bool) -> dict | None:
         assert lockstep.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("preset_name", "overlap"), [("tiny-llama", False), ("tiny-qwen3", True)])
 def test_lockstep_engine_generates_what_one_rank_does(preset_name: str, overlap: bool) -> None:
     """overlap: the step mode of both sides (the CUDA default; its flush() travels to the followers)."""
@@ -195,6 +197,7 @@ def _rank_engine(preset_name: str) -> None:
     Engine(_engine_config(preset_name, TP))
 
 
+@pytest.mark.slow
 def test_an_engine_whose_heads_tp_does_not_divide_fails_on_every_rank() -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide random:tiny-smollm2's num_kv_heads=1"):
         launch(TP, _rank_engine, "tiny-smollm2", timeout_s=60)
@@ -210,6 +213,7 @@ def _rank_diverge(preset_name: str) -> None:
     lockstep.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0))
 
 
+@pytest.mark.slow
 def test_a_follower_that_diverges_stops_the_group() -> None:
     with pytest.raises(TensorParallelDivergence, match="rank 1: the outputs of step 1 differ from rank 0's"):
         launch(TP, _rank_diverge, "tiny-llama", timeout_s=60)
