@@ -12,7 +12,7 @@ from services.gpu_worker.model.loader import config_from_hf, hf_config_dict, loa
 from services.gpu_worker.model.presets import PRESETS
 from services.gpu_worker.model.registry import ARCHITECTURES, architecture_for_hf, architecture_for_type
 
-SUPPORTED = "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+SUPPORTED = "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM"
 BASE = {"vocab_size": 100, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
         "num_attention_heads": 4}
 
@@ -39,7 +39,7 @@ def test_a_known_model_type_with_another_head_is_refused() -> None:
 def test_architectures_picks_the_entry_and_model_type_is_the_fallback() -> None:
     assert architecture_for_hf({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}).model_type == "qwen3"
     assert architecture_for_hf({"model_type": "mistral"}).hf_name == "MistralForCausalLM"
-    supported_types = "llama, mistral, qwen2, qwen3"
+    supported_types = "llama, mistral, qwen2, qwen3, phi3"
     with pytest.raises(ValueError, match=f"unsupported model_type 'gpt2'; supported: {supported_types}"):
         architecture_for_hf({"model_type": "gpt2"})
 
@@ -51,3 +51,8 @@ def test_random_presets_map_onto_registered_architectures(name: str) -> None:
     assert hf_config_dict(cfg)["architectures"] == [arch.hf_name]
     assert architecture_for_hf(hf_config_dict(cfg)) is arch
 
+
+def test_phi3_has_no_config_writer() -> None:
+    phi3 = config_from_hf({**BASE, "architectures": ["Phi3ForCausalLM"], "model_type": "phi3"}, "m")
+    with pytest.raises(ValueError, match="Phi3ForCausalLM has no config.json writer"):
+        hf_config_dict(phi3)

@@ -21,11 +21,11 @@ class RopeScaling:
 class ModelConfig:
     """Shapes and switches of a decoder-only Llama-family transformer.
 
-    Covers Llama 2/3 (`rope_scaling`), Mistral, Qwen2 (`attention_bias`), Qwen3 (`qk_norm`) and
-    SmolLM2 (`tie_word_embeddings`).
+    Covers Llama 2/3 (`rope_scaling`), Mistral, Qwen2 (`attention_bias`), Qwen3 (`qk_norm`), SmolLM2
+    (`tie_word_embeddings`) and Phi-3 (fused checkpoint tensors, split on load: model/phi3.py).
     """
 
-    arch: str  # a registered model_type (model/registry.py): "llama" | "mistral" | "qwen2" | "qwen3"
+    arch: str  # a registered model_type (model/registry.py): "llama" | "mistral" | "qwen2" | "qwen3" | "phi3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int

@@ -1,9 +1,9 @@
 """Every served architecture, in one table: config.json's `architectures[0]` picks the entry.
 
-Adding a family: a file in model/ that declares an `Architecture`, and a line in ARCHITECTURES."""
+Adding a family: a file in model/ that declares an `Architecture` (see phi3.py), and a line in ARCHITECTURES."""
 from __future__ import annotations
 
-from services.gpu_worker.model import llama_family
+from services.gpu_worker.model import llama_family, phi3
 from services.gpu_worker.model.architecture import Architecture
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -13,6 +13,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         llama_family.MISTRAL,
         llama_family.QWEN2,
         llama_family.QWEN3,
+        phi3.PHI3,
     )
 }
 _BY_MODEL_TYPE = {arch.model_type: arch for arch in ARCHITECTURES.values()}
