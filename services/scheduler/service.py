@@ -15,8 +15,9 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from services.scheduler.adoption import Adoption, Handovers
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.inflight import InFlight, InFlightTable, RecentIds
+from services.scheduler.inflight import InFlight, InFlightTable
 from services.scheduler.metrics import SchedulerMetrics, serve_metrics
 from services.scheduler.pending import PendingPrefixes, merge_prefixes
 from services.scheduler.pairing import LOCAL_ROLES, Pairing, make_pairing
@@ -45,9 +46,7 @@ class SchedulerService(Actor):
         self.incarnation = uuid.uuid4().hex  # tells tokenizers that a restarted scheduler forgot its requests
         self.registry = Registry()
         self.inflight = InFlightTable()
-        self.recent_aborts = RecentIds(config.abort_memory_s)  # aborted while unknown here
-        self.recent_finishes = RecentIds(config.abort_memory_s)  # finished on their worker while unknown here
-        self._unconfirmed: dict[str, float] = {}  # adopted requests on workers not heard of yet → give-up time
+        self.handovers = Handovers(config.abort_memory_s, config.heartbeat_timeout_s)
         self.queue = WaitingQueue(config.max_queue, config.max_queued_tokens)
         self.policy = make_policy(config.routing, config.heartbeat_timeout_s, config.cost_weights, LOCAL_ROLES)
         self.pairing = make_pairing(config.pd_policy, self.policy, config.heartbeat_timeout_s, config.cost_weights,
@@ -198,21 +197,20 @@ class SchedulerService(Actor):
             if worker is not None:
                 await self._pushes.send(worker.addr, msg)
         elif not is_queued:
-            self.recent_aborts.add(msg.request_id, time.monotonic())
+            self.handovers.note_abort(msg.request_id, time.monotonic())
 
     async def _on_adopt(self, msg: AdoptRequest, identity: bytes | None) -> None:
         """Take over the in-flight entry of a request whose scheduler died; its tokenizer says where it runs."""
         legs = [w for w in (msg.worker_id, msg.prefill_worker_id) if w]
-        if self.recent_finishes.pop(msg.request_id, time.monotonic()):
+        adoption = self.handovers.on_adopt(msg.request_id, legs, self.registry, time.monotonic())
+        if adoption is Adoption.ENDED:
             return  # it ended on its worker before the handover arrived
-        if self.recent_aborts.pop(msg.request_id, time.monotonic()):  # its abort came before it did
+        if adoption is Adoption.ABORTED:  # its abort came before it did
             log.info("adopted request was aborted; stopping it", request_id=msg.request_id, worker_id=msg.worker_id)
             await self._abort_legs(InFlight(msg.request_id, msg.worker_id, msg.reply_addr,
                                             msg.prefill_worker_id or None), AbortRequest(msg.request_id))
             return
         self.inflight.add(msg.request_id, msg.worker_id, msg.reply_addr, msg.prefill_worker_id or None)
-        if any(w not in self.registry for w in legs):  # NOTE: maybe just started; its heartbeat may come yet
-            self._unconfirmed[msg.request_id] = time.monotonic() + self.config.heartbeat_timeout_s
         log.info("request adopted", request_id=msg.request_id, worker_id=msg.worker_id,
                  prefill_worker_id=msg.prefill_worker_id or None)
 
@@ -243,7 +241,7 @@ class SchedulerService(Actor):
         entry = self.inflight.get(msg.request_id)
         if entry is None:
             if not msg.handed_off:
-                self.recent_finishes.add(msg.request_id, time.monotonic())  # another scheduler's, or not adopted yet
+                self.handovers.note_finish(msg.request_id, time.monotonic())  # another scheduler's, or not adopted yet
             return
         if entry.worker_id == msg.worker_id:
             self.inflight.pop(msg.request_id)
@@ -285,8 +283,7 @@ class SchedulerService(Actor):
         """Periodic: drop workers that missed heartbeats, fail queued requests past their deadline and adopted
         requests whose worker never showed up, and forget pending entries and aborts whose time is up."""
         self.pending.expire(time.monotonic())
-        self.recent_aborts.expire(time.monotonic())
-        self.recent_finishes.expire(time.monotonic())
+        self.handovers.expire(time.monotonic())
         await self._check_unconfirmed(time.monotonic())
         for worker in self.registry.expire(time.monotonic(), self.config.heartbeat_timeout_s):
             log.warning("worker missed heartbeats; dropped", worker_id=worker.worker_id)
@@ -305,15 +302,16 @@ class SchedulerService(Actor):
 
     async def _check_unconfirmed(self, now_s: float) -> None:
         """Fail adopted requests whose workers this scheduler has not heard of within a heartbeat timeout."""
-        for request_id, give_up_s in list(self._unconfirmed.items()):
-            entry = self.inflight.get(request_id)
-            if entry is None or all(w in self.registry for w in (entry.worker_id, entry.prefill_worker_id) if w):
-                del self._unconfirmed[request_id]
-            elif now_s >= give_up_s:
-                del self._unconfirmed[request_id]
-                self.inflight.pop(request_id)
+        for request_id in self.handovers.due_failures(now_s, self._legs, self.registry):
+            entry = self.inflight.pop(request_id)
+            if entry is not None:
                 await self._fail(request_id, entry.reply_addr, 503, "its worker is gone", worker_lost=True)
                 await self._abort_legs(entry, AbortRequest(request_id, "worker gone"))
+
+    def _legs(self, request_id: str) -> list[str] | None:
+        """The worker ids the request runs on here (decode, then prefill if any); None when not in flight."""
+        entry = self.inflight.get(request_id)
+        return None if entry is None else [w for w in (entry.worker_id, entry.prefill_worker_id) if w]
 
     async def _fail_worker_requests(self, worker_id: str, reason: str) -> None:
         for entry in self.inflight.pop_worker(worker_id):
