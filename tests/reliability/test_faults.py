@@ -145,7 +145,7 @@ def test_gateway_over_its_concurrency_limit_answers_429_with_retry_after(cluster
 def test_killed_worker_fails_its_requests_cleanly_and_a_restarted_one_rejoins(cluster: Cluster) -> None:
     c = cluster
     model_id = MODEL
-    long = completion(MODEL, prompt(6, 40), 400)
+    long = completion(MODEL, prompt(6, 40), 1800)  # NOTE: long enough to be streaming still at the kill, under any load
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(post, c.url, long) for _ in range(6)]  # round robin: three on each worker
         # On each worker two run (they have streamed tokens) and one waits, unstarted, for a free seat.
