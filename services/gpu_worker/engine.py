@@ -130,7 +130,7 @@ class Engine:
         self.pool = BlockPool(self.num_pages)
         cache_cls = RadixCache
         if self.tp is not None:
-            from services.gpu_worker.parallel.tp_engine import LockstepRadixCache  # LRU stamps: rank 0's clock
+            from services.gpu_worker.parallel.lockstep_cache import LockstepRadixCache  # rank 0's clock
 
             cache_cls = LockstepRadixCache
         self.cache = cache_cls(self.pool, config.page_size, loaded.config.model_id,

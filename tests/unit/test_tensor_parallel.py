@@ -22,7 +22,7 @@ from services.gpu_worker.model.presets import preset
 from services.gpu_worker.parallel import (LockstepEngine, TensorParallelDivergence, check_tensor_parallel,
                                           current_group, follow, launch, shard_state_dict)
 from services.gpu_worker.parallel.state import TensorParallelGroup
-from services.gpu_worker.parallel.tp_engine import LockstepRadixCache
+from services.gpu_worker.parallel.lockstep_cache import LockstepRadixCache
 from services.gpu_worker.request import SamplingParams
 
 TP = 2

@@ -76,16 +76,3 @@ def copy_into(kv: KVCache, dst_page_ids: list[int], k: torch.Tensor, v: torch.Te
     index = torch.tensor(dst_page_ids, dtype=torch.long, device=kv.k.device)
     raw(kv.k).index_copy_(1, index, raw(k.to(device=kv.k.device, dtype=kv.k.dtype, non_blocking=True)))
     raw(kv.v).index_copy_(1, index, raw(v.to(device=kv.v.device, dtype=kv.v.dtype, non_blocking=True)))
-
-
-def make_puller(backend: str) -> KVPuller:
-    if backend == "shm":
-        from services.gpu_worker.kv_transfer.shm import ShmPuller
-        return ShmPuller()
-    if backend == "cuda_ipc":
-        from services.gpu_worker.kv_transfer.cuda_ipc import CudaIpcPuller
-        return CudaIpcPuller()
-    if backend == "stream":
-        from services.gpu_worker.kv_transfer.stream import StreamPuller
-        return StreamPuller()
-    raise ValueError(f"unknown kv transfer backend {backend!r}")

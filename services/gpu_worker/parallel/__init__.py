@@ -4,6 +4,7 @@
     shard.py      Megatron-style slices of the full HF-named weights, per rank
     processes.py  spawning ranks as processes (launch: all of them; spawn_followers: ranks 1..N-1)
     tp_engine.py  the SPMD lockstep driver: rank 0's LockstepEngine, the followers' follow() loop
+    lockstep_cache.py  each rank's radix cache, stamped by rank 0's broadcast clock
 
 The model's hooks are in model/llama.py and model/fused.py (per-rank head counts, an all_reduce after
 o_proj and down_proj); the Engine joins a group only when EngineConfig.tensor_parallel_size > 1.

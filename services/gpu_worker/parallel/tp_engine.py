@@ -28,7 +28,6 @@ import random
 import signal
 import time
 import zlib
-from collections.abc import Sequence as SequenceOf
 
 import msgspec
 import torch
@@ -37,7 +36,7 @@ from services.gpu_worker.engine import Engine, RequestResult
 from services.gpu_worker.engine_config import EngineConfig
 from services.gpu_worker.parallel.processes import Followers, spawn_followers
 from services.gpu_worker.parallel.state import destroy_tensor_parallel, init_tensor_parallel
-from services.gpu_worker.radix_cache import InsertResult, PrefixMatch, RadixCache
+from services.gpu_worker.parallel.lockstep_cache import LockstepRadixCache
 from services.gpu_worker.request import SamplingParams, TokenOutput
 
 SHUTDOWN_TIMEOUT_S = 30.0
@@ -45,31 +44,6 @@ SHUTDOWN_TIMEOUT_S = 30.0
 
 class TensorParallelDivergence(RuntimeError):
     """A follower's step outputs differ from rank 0's: the ranks no longer run the same batch."""
-
-
-class LockstepRadixCache(RadixCache):
-    """A TP rank's radix cache: its LRU stamps are rank 0's broadcast clock, not this rank's own.
-
-    The engine and the batch policy hand `now` (read from this process's clock) down to match_prefix and
-    insert, where it becomes last_access. The lockstep driver pins the value rank 0 broadcast before every
-    op and step, so every rank stamps, and therefore evicts, alike.
-    """
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._pinned_now: float | None = None
-
-    def pin_clock(self, now: float) -> None:
-        self._pinned_now = now
-
-    def _now(self, now: float) -> float:
-        return now if self._pinned_now is None else self._pinned_now
-
-    def match_prefix(self, token_ids: SequenceOf[int], now: float) -> PrefixMatch:
-        return super().match_prefix(token_ids, self._now(now))
-
-    def insert(self, token_ids: SequenceOf[int], page_ids: SequenceOf[int], now: float) -> InsertResult:
-        return super().insert(token_ids, page_ids, self._now(now))
 
 
 class AddOp(msgspec.Struct, frozen=True, tag=True):
