@@ -72,10 +72,18 @@ def config_from_hf(model_type: str, cfg_dict: dict, model_id: str) -> ModelConfi
     """A ModelConfig from a Hugging Face config.json dict, with transformers' defaults for absent keys."""
     _check_hf_unsupported(model_type, cfg_dict)
     d = hf_values(cfg_dict, _HF_DEFAULTS[model_type])
-    heads = int(d["num_attention_heads"])
     theta, scaling = rope_from_hf(cfg_dict)
-    return ModelConfig(
-        arch=model_type,
+    return dense_config(model_type, d, model_id, rope_theta=theta, rope_scaling=scaling,
+                        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                        attention_bias=model_type == "qwen2" or bool(d.get("attention_bias", False)),
+                        qk_norm=model_type == "qwen3")
+
+
+def dense_config(arch: str, d: dict, model_id: str, **fields: Any) -> ModelConfig:
+    """The fields every dense decoder's config.json spells alike (d: its values, defaults filled in), plus fields."""
+    heads = int(d["num_attention_heads"])
+    common = dict(
+        arch=arch,
         vocab_size=int(d["vocab_size"]),
         hidden_size=int(d["hidden_size"]),
         intermediate_size=int(d["intermediate_size"]),
@@ -83,17 +91,13 @@ def config_from_hf(model_type: str, cfg_dict: dict, model_id: str) -> ModelConfi
         num_heads=heads,
         num_kv_heads=int(d.get("num_key_value_heads", heads)),
         head_dim=int(d.get("head_dim", d["hidden_size"] // heads)),
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
-        rope_scaling=scaling,
         max_position_embeddings=int(d["max_position_embeddings"]),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        attention_bias=model_type == "qwen2" or bool(d.get("attention_bias", False)),
-        qk_norm=model_type == "qwen3",
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=eos_ids(d.get("eos_token_id")),
         model_id=model_id,
     )
+    return ModelConfig(**{**common, **fields})
 
 
 def _check_hf_unsupported(model_type: str, d: dict) -> None:

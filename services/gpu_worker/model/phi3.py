@@ -10,7 +10,7 @@ import torch
 from services.gpu_worker.model.architecture import Architecture
 from services.gpu_worker.model.config import ModelConfig
 from services.gpu_worker.model.llama import LlamaForCausalLM
-from services.gpu_worker.model.llama_family import eos_ids, hf_values, param_shapes
+from services.gpu_worker.model.llama_family import dense_config, hf_values, param_shapes
 
 # transformers' Phi3Config defaults, for keys a config.json may leave out.
 _DEFAULTS = {
@@ -32,26 +32,10 @@ def config_from_hf(cfg_dict: dict, model_id: str) -> ModelConfig:
     d = hf_values(cfg_dict, _DEFAULTS)
     if d["hidden_act"] != "silu":
         raise ValueError(f"Phi-3: unsupported hidden_act {d['hidden_act']!r}; only 'silu' is supported")
-    heads = int(d["num_attention_heads"])
     window = d.get("sliding_window")
     max_len = int(d["max_position_embeddings"])
-    return ModelConfig(
-        arch="phi3",
-        vocab_size=int(d["vocab_size"]),
-        hidden_size=int(d["hidden_size"]),
-        intermediate_size=int(d["intermediate_size"]),
-        num_layers=int(d["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=int(d.get("num_key_value_heads", heads)),
-        head_dim=int(d.get("head_dim", d["hidden_size"] // heads)),
-        rms_norm_eps=float(d["rms_norm_eps"]),
-        rope_theta=_rope_theta(cfg_dict),
-        max_position_embeddings=max_len if window is None else min(max_len, int(window)),
-        tie_word_embeddings=bool(d["tie_word_embeddings"]),
-        bos_token_id=d.get("bos_token_id"),
-        eos_token_ids=eos_ids(d.get("eos_token_id")),
-        model_id=model_id,
-    )
+    return dense_config("phi3", d, model_id, rms_norm_eps=float(d["rms_norm_eps"]), rope_theta=_rope_theta(cfg_dict),
+                        max_position_embeddings=max_len if window is None else min(max_len, int(window)))
 
 
 def _rope_theta(d: dict) -> float:
