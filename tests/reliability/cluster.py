@@ -94,6 +94,35 @@ class Service:
         return [e for e in lines if e.get("event") == event]
 
 
+class RouterThread:
+    """A ROUTER bound at addr and served by a daemon thread: each SchedulerInbound it receives goes to
+    handle(identity, msg); send() answers on the same socket (from the handler's thread)."""
+
+    def __init__(self, ctx: zmq.Context, addr: str, handle: Callable[[bytes, Any], None], poll_ms: int = 50) -> None:
+        self._handle, self._poll_ms = handle, poll_ms
+        self._sock = ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(addr)
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            if not self._sock.poll(self._poll_ms):
+                continue
+            identity, *_, frame = self._sock.recv_multipart()
+            self._handle(identity, decode(frame, SchedulerInbound))
+
+    def send(self, identity: bytes, msg: Any) -> None:
+        self._sock.send_multipart([identity, encode(msg)])
+
+    def close(self, timeout_s: float) -> None:
+        self._stopping.set()
+        self._thread.join(timeout_s)
+        self._sock.close()
+
+
 class Observer:
     """A ROUTER that workers treat as one more scheduler: it keeps each worker's latest heartbeat and every
     RequestFinished, so tests read worker load and KV pages without touching the real scheduler."""
@@ -104,23 +133,14 @@ class Observer:
         self.heartbeat_at: dict[str, float] = {}
         self.finished: list[RequestFinished] = []
         self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(addr)
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        self._router = RouterThread(self._ctx, addr, self._on_message)
 
-    def _run(self) -> None:
-        while not self._stopping.is_set():
-            if not self._sock.poll(50):
-                continue
-            msg = decode(self._sock.recv_multipart()[-1], SchedulerInbound)
-            if isinstance(msg, WorkerHeartbeat):
-                self.heartbeats[msg.worker_id] = msg
-                self.heartbeat_at[msg.worker_id] = time.monotonic()
-            elif isinstance(msg, RequestFinished):
-                self.finished.append(msg)
+    def _on_message(self, identity: bytes, msg: Any) -> None:
+        if isinstance(msg, WorkerHeartbeat):
+            self.heartbeats[msg.worker_id] = msg
+            self.heartbeat_at[msg.worker_id] = time.monotonic()
+        elif isinstance(msg, RequestFinished):
+            self.finished.append(msg)
 
     def load(self, worker_id: str, fresher_than_s: float = 1.0) -> WorkerLoad | None:
         """The worker's load from a heartbeat received within fresher_than_s, else None."""
@@ -130,8 +150,7 @@ class Observer:
         return self.heartbeats[worker_id].load
 
     def close(self) -> None:
-        self._stopping.set()
-        self._thread.join(2)
+        self._router.close(2)
         self._ctx.destroy(linger=0)
 
 

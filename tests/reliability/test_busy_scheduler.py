@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,9 +21,9 @@ import pytest
 import zmq
 
 from shared.messages import (GatewayInbound, GenerateChunk, GenerateError, GenerateRequest, SamplingSpec,
-                             SchedulerInbound, StatusReply, StatusRequest, TokenBatch, TokenizedRequest,
-                             TokenOutputs, decode, encode)
-from tests.reliability.cluster import MODEL, ROOT, wait_until
+                             StatusReply, StatusRequest, TokenBatch, TokenizedRequest,
+                             TokenOutputs, encode)
+from tests.reliability.cluster import MODEL, ROOT, RouterThread, wait_until
 from tests.service.test_tokenizer_service import Inbox
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -44,27 +43,16 @@ class FakeScheduler:
         self.incarnation = "inc-1"
         self.num_pings = 0
         self.requests: list[TokenizedRequest] = []
-        self._sock = ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(addr)
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        self._router = RouterThread(ctx, addr, self._on_message, poll_ms=20)
 
-    def _run(self) -> None:
-        while not self._stopping.is_set():
-            if not self._sock.poll(20):
-                continue
-            identity, *_, frame = self._sock.recv_multipart()
-            msg = decode(frame, SchedulerInbound)
-            if isinstance(msg, StatusRequest):
-                self.num_pings += 1
-                if self.is_answering:
-                    reply = StatusReply([MODEL], num_workers=1, num_queued=len(self.requests), num_in_flight=0,
-                                        incarnation=self.incarnation)
-                    self._sock.send_multipart([identity, encode(reply)])
-            elif isinstance(msg, TokenizedRequest):
-                self.requests.append(msg)
+    def _on_message(self, identity: bytes, msg: Any) -> None:
+        if isinstance(msg, StatusRequest):
+            self.num_pings += 1
+            if self.is_answering:
+                self._router.send(identity, StatusReply([MODEL], num_workers=1, num_queued=len(self.requests),
+                                                        num_in_flight=0, incarnation=self.incarnation))
+        elif isinstance(msg, TokenizedRequest):
+            self.requests.append(msg)
 
     def copies(self, request_id: str) -> int:
         return sum(r.request_id == request_id for r in self.requests)
@@ -76,9 +64,7 @@ class FakeScheduler:
 
     def close(self) -> None:
         """Stop and close the socket: the tokenizer's DEALER is no longer connected to it."""
-        self._stopping.set()
-        self._thread.join(5)
-        self._sock.close()
+        self._router.close(5)
 
 
 @dataclass
