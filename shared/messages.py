@@ -194,6 +194,8 @@ class GenerateError(msgspec.Struct, frozen=True, tag=True):
     message: str
     retry_after_s: float | None = None
     worker_lost: bool = False  # protocol 2: its worker died or left; a tokenizer may re-send it if nothing streamed
+    error_code: str | None = None  # OpenAI error code, e.g. "context_length_exceeded" (an older sender: none)
+    param: str | None = None  # the request parameter at fault, as OpenAI names it
     version: int = PROTOCOL_VERSION
 
 

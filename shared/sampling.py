@@ -18,6 +18,7 @@ INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_N = 16
 MAX_LOGPROBS = 20
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,21 @@ def check_token_ids(value: Any, param: str, allow_empty: bool = False) -> list[i
             raise SamplingError(f"{param}[{i}]", f"Invalid '{param}[{i}]': {token_id} is not a valid token id.",
                                 "invalid_value")
     return list(value)
+
+
+def context_length_error(max_context_tokens: int, num_prompt_tokens: int, max_tokens: int) -> SamplingError:
+    """OpenAI's 400 for a prompt plus max_tokens that do not fit in the model's context."""
+    return SamplingError("messages", f"This model's maximum context length is {max_context_tokens} tokens. However, "
+                                     f"you requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in "
+                                     f"the messages, {max_tokens} in the completion). Please reduce the length of "
+                                     "the messages or completion.", CONTEXT_LENGTH_EXCEEDED)
+
+
+def prompt_length_error(max_prompt_tokens: int, num_prompt_tokens: int) -> SamplingError:
+    """The 400 for a prompt longer than a server's prompt limit (known before the model's context is)."""
+    return SamplingError("messages", f"This server's maximum prompt length is {max_prompt_tokens} tokens. However, "
+                                     f"your prompt has {num_prompt_tokens} tokens. Please reduce the length of the "
+                                     "messages.", CONTEXT_LENGTH_EXCEEDED)
 
 
 def type_error(param: str, expected: str, value: Any) -> SamplingError:

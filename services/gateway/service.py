@@ -66,7 +66,8 @@ class _Call:
                                code="timeout") from None
             if isinstance(msg, GenerateError):
                 self.has_failed = True
-                raise ApiError(msg.status, msg.message, type=msg.code, retry_after_s=msg.retry_after_s)
+                raise ApiError(msg.status, msg.message, type=msg.code, param=msg.param, code=msg.error_code,
+                               retry_after_s=msg.retry_after_s)
             if self.output.add(msg):
                 return msg
             log.warning("dropped chunk with a bad or finished index", request_id=msg.request_id, index=msg.index)

@@ -23,6 +23,7 @@ from services.gpu_worker.request import FinishReason, SamplingParams, TokenLogpr
 from services.gpu_worker.sampler import SampledBatch, Sampler, SamplingRow, make_generator, needs_history
 from services.gpu_worker.sequence import Sequence, SeqStatus
 from services.gpu_worker.staging import to_device
+from shared.sampling import context_length_error
 
 if TYPE_CHECKING:
     from services.gpu_worker.parallel.state import TensorParallelGroup
@@ -213,7 +214,7 @@ class Engine:
         pages are held (see drain_handoffs / release_held), unless that token already ended it.
         arrival_s: when the request arrived (unix time; default now), the start of its queue time.
         """
-        self._validate(request_id, prompt_token_ids)
+        self._validate(request_id, prompt_token_ids, params.max_tokens)
         if is_prefill_only and params.n > 1:
             raise ValueError("a prefill-only request must have n == 1")
         seq = self._new_sequence(request_id, 0, list(prompt_token_ids), params)
@@ -249,7 +250,7 @@ class Engine:
         page_indices_to_fill (a pull) and then calls finish_import. With no room in the pool the request
         is queued to recompute its prompt here instead (is_recompute; nothing to pull).
         """
-        self._validate(request_id, prompt_token_ids)
+        self._validate(request_id, prompt_token_ids, params.max_tokens)
         if params.n > 1:
             raise ValueError("an imported request must have n == 1")
         seq = self._new_sequence(request_id, 0, [*prompt_token_ids, first_token], params)
@@ -281,14 +282,13 @@ class Engine:
             self.policy.add(seq)
         return True
 
-    def _validate(self, request_id: str, prompt_token_ids: list[int]) -> None:
+    def _validate(self, request_id: str, prompt_token_ids: list[int], max_tokens: int) -> None:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; this model's context "
-                             f"is {self.max_model_len} (the prompt must leave room for one output token)")
+        if len(prompt_token_ids) + max_tokens > self.max_model_len:  # NOTE: a SamplingError, so a 400 with its code
+            raise context_length_error(self.max_model_len, len(prompt_token_ids), max_tokens)
         if len(prompt_token_ids) >= self.max_seq_len:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens and does not fit in the KV cache "
                              f"even when it runs alone ({self.max_seq_len} token slots, one kept for output)")

@@ -25,6 +25,7 @@ from services.gpu_worker.request import TokenOutput
 from shared.messages import (CacheSnapshot, EngineMetrics, GenerateError, HandoffAccepted, KVEventBatch, KVReady,
                              PrefillRequest, ReleaseLease, RequestFinished, TokenBatch, TokenizedRequest,
                              TokenLogprobEntry, TokenOutputs, TransferStats, WorkerLoad)
+from shared.sampling import SamplingError
 
 log = structlog.get_logger(__name__)
 
@@ -248,7 +249,7 @@ class EngineLoop:
             self.engine.add_request(request.request_id, request.prompt_token_ids, params,
                                     is_prefill_only=prefill is not None, arrival_s=request.arrival_s)
         except ValueError as exc:
-            return self._reject(request, 400, "invalid_request_error", str(exc))
+            return self._reject(request, 400, "invalid_request_error", str(exc), exc)
         self._in_flight[request.request_id] = InFlight(request.reply_addr, params.n,
                                                        len(request.prompt_token_ids), prefill=prefill)
         return []
@@ -268,13 +269,17 @@ class EngineLoop:
             envelopes = [Envelope(*e) for e in self.handoffs.start_import(ready, params)]
         except ValueError as exc:
             return [Envelope(*self.handoffs.release_lease_of(ready)),
-                    *self._reject(request, 400, "invalid_request_error", str(exc))]
+                    *self._reject(request, 400, "invalid_request_error", str(exc), exc)]
         self._in_flight[request.request_id] = InFlight(request.reply_addr, 1, len(request.prompt_token_ids))
         return [Envelope(None, HandoffAccepted(request.request_id, self.identity.worker_id)), *envelopes]
 
-    def _reject(self, request: TokenizedRequest, status: int, code: str, message: str) -> list[Envelope]:
+    def _reject(self, request: TokenizedRequest, status: int, code: str, message: str,
+                exc: Exception | None = None) -> list[Envelope]:
+        """exc: a SamplingError lends the answer its OpenAI error code and param (e.g. context_length_exceeded)."""
         log.info("request rejected", request_id=request.request_id, status=status, reason=message)
-        envelopes = [Envelope(request.reply_addr, GenerateError(request.request_id, status, code, message))]
+        error_code, param = (exc.code, exc.param) if isinstance(exc, SamplingError) else (None, None)
+        envelopes = [Envelope(request.reply_addr, GenerateError(request.request_id, status, code, message,
+                                                                error_code=error_code, param=param))]
         if request.request_id not in self._in_flight:  # NOTE: a duplicate id must not end the original
             envelopes.append(self._finished(request.request_id))
         return envelopes

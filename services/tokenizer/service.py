@@ -41,6 +41,7 @@ from shared.messages import (
     TokenOutputs,
     encode,
 )
+from shared.sampling import SamplingError, prompt_length_error
 from shared.transport import MAX_FRAME_BYTES, advertised, bind, context, receive_forever, send
 
 log = structlog.get_logger(__name__)
@@ -199,8 +200,7 @@ class TokenizerService(Actor):
         if not ids:
             raise PromptError("the prompt is empty")
         if len(ids) > self.config.max_prompt_tokens:
-            raise PromptError(f"the prompt has {len(ids)} tokens, more than the maximum "
-                              f"{self.config.max_prompt_tokens}")
+            raise prompt_length_error(self.config.max_prompt_tokens, len(ids))
         bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
         if bad is not None:
             raise PromptError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
@@ -296,9 +296,11 @@ class TokenizerService(Actor):
         is_client_error = status is None and isinstance(exc, (ValueError, TypeError, jinja2.TemplateError))
         if not is_client_error:
             log.error("request failed", request_id=request_id, error=repr(exc)[:500])
+        is_coded = is_client_error and isinstance(exc, SamplingError)
         error = GenerateError(
             request_id=request_id, status=400 if is_client_error else (status or 500),
-            code="invalid_request_error" if is_client_error else "server_error", message=str(exc)[:1000])
+            code="invalid_request_error" if is_client_error else "server_error", message=str(exc)[:1000],
+            error_code=exc.code if is_coded else None, param=exc.param if is_coded else None)
         await send(self.router, error, gateway)
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
 
@@ -106,3 +107,14 @@ def test_bad_requests_get_openai_errors(served: str, client: openai.OpenAI, body
     assert set(payload["error"]) >= {"message", "type"}
     ok = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, temperature=0)
     assert ok.choices[0].message.content is not None
+
+
+def test_context_length_400_for_max_tokens_and_for_a_long_prompt(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=[504, 3575, 282], max_tokens=10**9)
+    assert info.value.code == "context_length_exceeded"
+    assert re.fullmatch(r"This model's maximum context length is \d+ tokens\. However, you requested 1000000003 "
+                        r"tokens \(3 in the messages, 1000000000 in the completion\)\. .*", info.value.body["message"])
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=[504] * 20000, max_tokens=1)
+    assert info.value.code == "context_length_exceeded"

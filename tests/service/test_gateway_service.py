@@ -24,6 +24,7 @@ import zmq.asyncio
 from shared.messages import (AbortRequest, GenerateChunk, GenerateError, GenerateRequest, MetricsReply,
                              MetricsRequest, StatusReply, StatusRequest, TokenizerInbound, TokenLogprobEntry, decode,
                              encode)
+from shared.sampling import context_length_error
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "fake-model"
@@ -42,6 +43,7 @@ class FakePeers:
                 max_tokens <= 3 else "stop"; logprobs of each token -0.5 with alternatives (99, -2.0)
       "slow":   the first piece of each sample, then nothing (until an AbortRequest)
       "error429" / "midstream": GenerateError(429) at once / after the first pieces, GenerateError(500)
+      "toolong": GenerateError(400, context_length_exceeded) at once, as a worker with an 8192-token context
     """
 
     def __init__(self, tmp_dir: str) -> None:
@@ -102,6 +104,10 @@ class FakePeers:
         prompt = req.messages[-1].content if req.messages else req.prompt_text
         if prompt == "error429":
             return [GenerateError(req.request_id, 429, "rate_limit_error", "queue full", retry_after_s=2.5)]
+        if prompt == "toolong":  # as a worker with an 8192-token context answers
+            exc = context_length_error(8192, NUM_PROMPT_TOKENS, req.sampling.max_tokens)
+            return [GenerateError(req.request_id, 400, "invalid_request_error", exc.message, error_code=exc.code,
+                                  param=exc.param)]
         n = req.sampling.n
         num_pieces = {"slow": 1, "midstream": 1}.get(prompt, len(PIECES))
         out: list[GenerateChunk | GenerateError] = [
@@ -375,6 +381,17 @@ async def test_upstream_429_keeps_status_and_retry_after(gateway: GatewayProcess
     status, headers, body = await post(gateway, "/v1/completions", {"model": MODEL, "prompt": "error429"})
     assert (status, headers["Retry-After"]) == (429, "3")
     assert body == {"error": {"message": "queue full", "type": "rate_limit_error", "param": None, "code": None}}
+
+
+@pytest.mark.asyncio
+async def test_context_length_400_keeps_its_code(gateway: GatewayProcess) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        await client(gateway).completions.create(model=MODEL, prompt="toolong", max_tokens=10**9)
+    assert (info.value.code, info.value.param) == ("context_length_exceeded", "messages")
+    assert info.value.body["message"] == (
+        f"This model's maximum context length is 8192 tokens. However, you requested {10**9 + NUM_PROMPT_TOKENS} "
+        f"tokens ({NUM_PROMPT_TOKENS} in the messages, {10**9} in the completion). Please reduce the length of the "
+        "messages or completion.")
 
 
 @pytest.mark.asyncio

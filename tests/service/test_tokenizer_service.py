@@ -230,7 +230,7 @@ def test_scheduler_error_is_forwarded_to_the_gateway(peers: Peers) -> None:
     ({"prompt_token_ids": [-1]}, "token id -1 is outside the vocabulary"),
     ({"prompt_token_ids": []}, "the prompt is empty"),
     ({"prompt_text": "hi", "prompt_token_ids": [1]}, "exactly one of"),
-    ({"prompt_text": "hello " * 3000}, "more than the maximum 2048"),
+    ({"prompt_text": "hello " * 3000}, "maximum prompt length is 2048 tokens. However, your prompt has 3"),
     ({"prompt_text": "hi", "sampling": SamplingSpec(n=0)}, "n must be at least 1"),
 ])
 def test_bad_prompts_get_400(peers: Peers, fields: dict[str, Any], message_part: str) -> None:
@@ -238,6 +238,7 @@ def test_bad_prompts_get_400(peers: Peers, fields: dict[str, Any], message_part:
     error = peers.gateway.take(lambda m: m.request_id == "bad-1")
     assert isinstance(error, GenerateError) and (error.status, error.code) == (400, "invalid_request_error")
     assert message_part in error.message
+    assert error.error_code == ("context_length_exceeded" if "prompt length" in message_part else None)
     assert peers.scheduler.take_all(lambda m: getattr(m, "request_id", None) == "bad-1", 0.2) == []
 
 

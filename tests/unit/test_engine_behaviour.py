@@ -16,6 +16,7 @@ from services.gpu_worker.model.loader import LoadedModel, load_model
 from services.gpu_worker.request import FinishReason, SamplingParams, TokenOutput
 from shared.hashing import hash_blocks
 from shared.messages import BlocksRemoved, BlocksStored, KVEvent
+from shared.sampling import SamplingError
 from tests.unit.step_modes import MODE, step_mode  # noqa: F401 - step_mode: autouse, both modes
 
 PAGE = 4
@@ -158,13 +159,24 @@ def test_growth_past_the_whole_pool_ends_with_length() -> None:
     ([], "the prompt is empty"),
     ([1, VOCAB], r"prompt token ids must be in \[0, 512\)"),
     ([-1, 5], r"prompt token ids must be in \[0, 512\)"),
-    (_prompt(32), "the prompt has 32 tokens; this model's context is 32"),
-    (_prompt(40), "the prompt has 40 tokens; this model's context is 32"),
+    (_prompt(29), r"maximum context length is 32 tokens. However, you requested 33 tokens \(29 in the messages, "
+                  r"4 in the completion\)"),
+    (_prompt(40), "maximum context length is 32 tokens. However, you requested 44 tokens"),
 ])
 def test_bad_prompt_is_rejected_and_engine_keeps_serving(prompt: list[int], message: str) -> None:
     engine = _engine(max_model_len=32)
     with pytest.raises(ValueError, match=message):
         engine.add_request("bad", prompt, _greedy(4))
+    _assert_still_serves(engine)
+
+
+def test_context_length_error_carries_its_openai_code() -> None:
+    engine = _engine(max_model_len=32)
+    with pytest.raises(SamplingError) as caught:
+        engine.add_request("bad", _prompt(8), _greedy(10**9))
+    assert (caught.value.code, caught.value.param) == ("context_length_exceeded", "messages")
+    fits = engine.generate([_prompt(28)], _greedy(4))[0].samples[0]  # 28 + 4 == 32: exactly the context
+    assert len(fits.token_ids) == 4
     _assert_still_serves(engine)
 
 

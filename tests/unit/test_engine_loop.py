@@ -111,4 +111,5 @@ def test_sampling_out_of_its_bounds_gets_400_from_the_struct_check(loop) -> None
 
     assert [e.msg for e in envelopes if isinstance(e.msg, GenerateError)] == [GenerateError(
         "bad", 400, "invalid_request_error",
-        "Invalid 'top_p': decimal below minimum value. Expected a value > 0, but got 0.0 instead.")]
+        "Invalid 'top_p': decimal below minimum value. Expected a value > 0, but got 0.0 instead.",
+        error_code="decimal_below_min_value", param="top_p")]
