@@ -19,6 +19,8 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_N = 16
 MAX_LOGPROBS = 20
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+MAX_LOGIT_BIAS_ENTRIES = 300
+LOGIT_BIAS_BOUND = 100.0
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
     temperature == 0 means greedy. top_k <= 0 and top_p == 1 and min_p == 0 disable those filters.
     repetition_penalty (HF/CTRL style, 1 = off) divides positive / multiplies negative logits of tokens
     seen in prompt or output; presence/frequency penalties (OpenAI style, 0 = off) apply to output tokens.
+    logit_bias is added to a row's logits before penalties, temperature, filters and the greedy argmax.
     NOTE: field names and defaults are the wire format (protocol 1): rename or re-default none of them.
     """
 
@@ -62,6 +65,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
     ignore_eos: bool = False
     n: Annotated[int, Bound(1, MAX_N)] = 1
     logprobs: Annotated[int | None, Bound(0, MAX_LOGPROBS)] = None  # None: none; k: the chosen token's + top k
+    # (token id, bias in [-100, 100]) pairs added to the logits before any filter (OpenAI's dict, as pairs)
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def is_greedy(self) -> bool:
@@ -90,6 +95,8 @@ def check_value(name: str, value: Any, param: str | None = None) -> Any:
         return None
     if kind == tuple[int, ...]:
         return tuple(check_token_ids(value, param, allow_empty=True))
+    if kind == tuple[tuple[int, float], ...]:
+        return check_logit_bias(value, param)
     if kind is bool:
         if not isinstance(value, bool):
             raise type_error(param, "a boolean", value)
@@ -125,6 +132,36 @@ def check_token_ids(value: Any, param: str, allow_empty: bool = False) -> list[i
             raise SamplingError(f"{param}[{i}]", f"Invalid '{param}[{i}]': {token_id} is not a valid token id.",
                                 "invalid_value")
     return list(value)
+
+
+def check_logit_bias(value: Any, param: str) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias ({"token id": bias}; JSON keys are strings) or its pairs → sorted (id, bias) pairs."""
+    if isinstance(value, Mapping):
+        items = list(value.items())
+    elif isinstance(value, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in value):
+        items = [tuple(p) for p in value]
+    else:
+        raise type_error(param, "an object", value)
+    if len(items) > MAX_LOGIT_BIAS_ENTRIES:
+        raise SamplingError(param, f"Invalid '{param}': too many entries. Expected at most {MAX_LOGIT_BIAS_ENTRIES}, "
+                                   f"but got {len(items)} instead.", "too_many_entries")
+    pairs: dict[int, float] = {}
+    for key, bias in items:
+        token_id = _token_id_key(key)
+        if token_id is None:
+            raise SamplingError(param, f"Invalid '{param}': {key!r} is not a valid token id.", "invalid_value")
+        name = f"{param}.{token_id}"
+        if not (is_int(bias) or (isinstance(bias, float) and math.isfinite(bias))):
+            raise type_error(name, "a number", bias)
+        check_bound(name, bias, Bound(-LOGIT_BIAS_BOUND, LOGIT_BIAS_BOUND), "decimal")
+        pairs[token_id] = float(bias)
+    return tuple(sorted(pairs.items()))
+
+
+def _token_id_key(key: Any) -> int | None:
+    if isinstance(key, str) and key.isascii() and key.isdigit():
+        key = int(key)
+    return key if is_int(key) and 0 <= key <= INT32_MAX else None
 
 
 def context_length_error(max_context_tokens: int, num_prompt_tokens: int, max_tokens: int) -> SamplingError:

@@ -35,7 +35,6 @@ _NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "tool_choice": lambda v: v == "none",
     "functions": lambda v: v == [],
     "function_call": lambda v: v == "none",
-    "logit_bias": lambda v: v == {},
     "audio": lambda v: False,
     "prediction": lambda v: False,
     "web_search_options": lambda v: False,

@@ -1,4 +1,4 @@
-"""The batched sampler: penalties, temperature, top-k/top-p/min-p and per-row seeded draws over one step's logits."""
+"""The batched sampler: logit bias, penalties, temperature, top-k/top-p/min-p and seeded draws over one step's logits."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -90,11 +90,30 @@ def _apply_frequency_presence(logits: torch.Tensor, rows: list[SamplingRow]) -> 
     logits[index] = logits[index] - freq * counts - pres * (counts > 0).float()
 
 
+def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Add each row's logit_bias in place; ids outside the vocabulary are ignored."""
+    vocab = logits.shape[1]
+    entries = [(i, token_id, bias) for i, r in enumerate(rows) for token_id, bias in r.params.logit_bias
+               if token_id < vocab]
+    if not entries:
+        return
+    row_ids, token_ids, biases = zip(*entries)
+    index = (to_device(list(row_ids), torch.long, logits.device), to_device(list(token_ids), torch.long, logits.device))
+    logits.index_put_(index, to_device(list(biases), torch.float32, logits.device), accumulate=True)
+
+
+def changes_logits(params: SamplingParams) -> bool:
+    """Penalties or a logit bias: the row's argmax may differ from the raw logits' argmax."""
+    return needs_history(params) or bool(params.logit_bias)
+
+
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Repetition (over prompt + output) then frequency/presence (over output) penalties; returns new fp32 logits."""
-    if not any(needs_history(r.params) for r in rows):
+    """Logit bias, repetition (over prompt + output) then frequency/presence (over output) penalties; returns new
+    fp32 logits."""
+    if not any(changes_logits(r.params) for r in rows):
         return logits.float()  # NOTE: no copy when nothing is penalised (callers do not write into it)
     out = logits.float().clone()  # [B, V] fp32
+    _apply_logit_bias(out, rows)
     _apply_repetition(out, rows)
     _apply_frequency_presence(out, rows)
     return out
@@ -238,10 +257,10 @@ class Sampler:
         """Queue the sampling of one token per row on the logits' device; nothing waits for the GPU.
 
         greedy: argmax(logits, dim=-1) [B] int64 computed already (a CUDA graph's output). It is used, and its
-        sampled rows overwritten in place, only when no row has penalties (they change the argmax)."""
+        sampled rows overwritten in place, only when no row has penalties or a logit bias (they change the argmax)."""
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sampling rows")
-        if any(needs_history(r.params) for r in rows):
+        if any(changes_logits(r.params) for r in rows):
             greedy = None
         penalized = apply_penalties(logits, rows)  # [B, V] fp32
         tokens = _next_tokens(penalized, rows, greedy)  # [B]

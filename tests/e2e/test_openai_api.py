@@ -118,3 +118,18 @@ def test_context_length_400_for_max_tokens_and_for_a_long_prompt(client: openai.
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt=[504] * 20000, max_tokens=1)
     assert info.value.code == "context_length_exceeded"
+
+
+
+def test_logit_bias_forces_and_bans_tokens(client: openai.OpenAI) -> None:
+    prompt = [504, 3575, 282, 4649, 314]  # "The capital of France is"
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
+    forced = client.completions.create(**kwargs, logit_bias={"282": 100})  # " of"
+    assert forced.choices[0].text == " of of of"
+    plain = client.completions.create(**kwargs)
+    assert plain.choices[0].text.startswith(" Paris")
+    banned = client.completions.create(**kwargs, logit_bias={"7042": -100})  # " Paris"
+    assert not banned.choices[0].text.startswith(" Paris")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(**kwargs, logit_bias={"282": 101})
+    assert (info.value.code, info.value.param) == ("decimal_above_max_value", "logit_bias.282")

@@ -96,6 +96,12 @@ def test_neutral_values_of_unsupported_parameters_are_accepted() -> None:
     assert parsed.generate.sampling == SamplingSpec(max_tokens=1024)
 
 
+def test_logit_bias_becomes_sorted_token_id_pairs() -> None:
+    parsed = chat(logit_bias={"42": 100, "7": -100, "3": 0.5})
+    assert parsed.generate.sampling.logit_bias == ((3, 0.5), (7, -100.0), (42, 100.0))
+    assert chat(logit_bias={str(i): 1 for i in range(300)}).generate.sampling.logit_bias[-1] == (299, 1.0)
+
+
 # --- completions parsing ---
 
 def test_minimal_completion_request() -> None:
@@ -165,7 +171,13 @@ def test_stop_forms(stop: Any, expected: list[str]) -> None:
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "unsupported_parameter",
      "Unsupported parameter: 'tools' is not supported by this server."),
     ({"tool_choice": "auto"}, 400, "tool_choice", "unsupported_parameter", "'tool_choice' is not supported"),
-    ({"logit_bias": {"1": 5}}, 400, "logit_bias", "unsupported_parameter", "'logit_bias' is not supported"),
+    ({"logit_bias": {"x": 5}}, 400, "logit_bias", "invalid_value", "'x' is not a valid token id"),
+    ({"logit_bias": {"-1": 5}}, 400, "logit_bias", "invalid_value", "'-1' is not a valid token id"),
+    ({"logit_bias": {"7": 101}}, 400, "logit_bias.7", "decimal_above_max_value", "<= 100, but got 101"),
+    ({"logit_bias": {"7": -100.5}}, 400, "logit_bias.7", "decimal_below_min_value", ">= -100, but got -100.5"),
+    ({"logit_bias": {"7": "1"}}, 400, "logit_bias.7", "invalid_type", "expected a number, but got a string"),
+    ({"logit_bias": [1, 2]}, 400, "logit_bias", "invalid_type", "expected an object, but got an array"),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, 400, "logit_bias", "too_many_entries", "at most 300"),
     ({"response_format": {"type": "json_schema", "json_schema": {}}}, 400, "response_format.type",
      "unsupported_value", "does not support 'json_schema'"),
     ({"response_format": {"type": "json_object"}}, 400, "response_format.type", "unsupported_value",

@@ -27,6 +27,25 @@ def drawn(logits_1d: torch.Tensor, n: int = 500, **kw) -> set[int]:
     return set(tokens)
 
 
+def test_logit_bias_plus_100_makes_greedy_pick_the_token_and_minus_100_bans_it() -> None:
+    logits = torch.tensor([[5.0, 1.0, 0.0, -3.0]] * 3)  # [B, V]
+    rows = [row(temperature=0.0, logit_bias=((3, 100.0),)), row(temperature=0.0, logit_bias=((0, -100.0),)),
+            row(temperature=0.0, logit_bias=((9, 100.0),))]  # id 9 is outside the vocabulary: ignored
+    tokens, _ = Sampler()(logits, rows)
+    assert tokens == [3, 1, 0]
+
+
+def test_logit_bias_overrides_a_precomputed_greedy_argmax() -> None:
+    logits = torch.tensor([[5.0, 1.0, 0.0]])  # [B, V]
+    sample = Sampler().launch(logits, [row(temperature=0.0, logit_bias=((2, 10.0),))], greedy=logits.argmax(-1))
+    assert sample.resolve()[0] == [2]
+
+
+def test_logit_bias_minus_100_bans_a_token_when_sampling() -> None:
+    assert drawn(torch.zeros(4), logit_bias=((1, -100.0),)) == {0, 2, 3}
+    assert drawn(torch.zeros(4), temperature=2.0, logit_bias=((2, 100.0),)) == {2}
+
+
 def test_greedy_argmax_and_logprobs() -> None:
     torch.manual_seed(0)
     logits = torch.randn(4, 50) * 3  # [B, V]

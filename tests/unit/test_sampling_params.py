@@ -28,8 +28,15 @@ def test_the_wire_form_keeps_its_field_names_and_defaults() -> None:
     params = msgspec.msgpack.decode(msgspec.msgpack.encode(old_sender), type=SamplingParams)
 
     assert params == SamplingParams(max_tokens=5, temperature=0.5, stop_token_ids=(7,))
-    assert msgspec.msgpack.decode(msgspec.msgpack.encode(params)) == old_sender
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(params)) == {**old_sender, "logit_bias": []}  # additive
     assert msgspec.msgpack.decode(msgspec.msgpack.encode({}), type=SamplingParams) == SamplingParams()
+
+
+def test_logit_bias_crosses_the_wire_as_pairs() -> None:
+    params = SamplingParams(logit_bias=((3, -100.0), (9, 2.5)))
+
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams) == params
+    assert params.check() is params
 
 
 @pytest.mark.parametrize("fields, param, code, message", [
@@ -49,6 +56,8 @@ def test_the_wire_form_keeps_its_field_names_and_defaults() -> None:
      "Invalid 'stop_token_ids[1]': -1 is not a valid token id."),
     ({"ignore_eos": 1}, "ignore_eos", "invalid_type",
      "Invalid type for 'ignore_eos': expected a boolean, but got an integer instead."),
+    ({"logit_bias": ((5, 100.5),)}, "logit_bias.5", "decimal_above_max_value",
+     "Invalid 'logit_bias.5': decimal above maximum value. Expected a value <= 100, but got 100.5 instead."),
 ])
 def test_check_names_the_first_field_out_of_its_bounds(fields: dict, param: str, code: str, message: str) -> None:
     with pytest.raises(SamplingError) as info:
