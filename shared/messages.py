@@ -112,6 +112,15 @@ class TokenLogprobEntry(msgspec.Struct, frozen=True):
     top: list[tuple[int, float]] = []
 
 
+class TokenPiece(msgspec.Struct, frozen=True):
+    """One vocabulary token as logprobs show it: raw is its own bytes (maybe part of a UTF-8 character); text is
+    raw as UTF-8, or "bytes:" and raw with each invalid byte written \\xNN (as OpenAI shows such tokens)."""
+
+    token_id: int
+    text: str
+    raw: bytes
+
+
 class TokenizedRequest(msgspec.Struct, frozen=True, tag=True):
     """tokenizer → scheduler → worker: the prompt as token ids, its block hashes, and where to stream tokens."""
 
@@ -182,6 +191,7 @@ class GenerateChunk(msgspec.Struct, frozen=True, tag=True):
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    token_pieces: list[TokenPiece] | None = None  # each id of token_ids and of logprobs' top, once (for logprobs)
     version: int = PROTOCOL_VERSION
 
 

@@ -1,10 +1,17 @@
-"""OpenAI response bodies (whole and streamed) from GenerateChunks, and the per-request accumulator (pure)."""
+"""OpenAI response bodies (whole and streamed) from GenerateChunks, and the per-request accumulator (pure).
+
+Logprob tokens get their text and bytes from the chunks' token_pieces, which the tokenizer decodes. A model without
+a tokenizer (random:<preset>) sends none: its tokens are then named `token_id:<id>` (vLLM's convention), with the
+bytes of that name.
+"""
 from __future__ import annotations
 
+import codecs
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.messages import GenerateChunk, TokenLogprobEntry
+from shared.messages import GenerateChunk, TokenLogprobEntry, TokenPiece
 
 
 @dataclass
@@ -13,7 +20,7 @@ class SampleOutput:
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    token_texts: list[str] = field(default_factory=list)
+    pieces: dict[int, TokenPiece] = field(default_factory=dict)  # every token its logprobs name, by id
     logprobs: list[TokenLogprobEntry] = field(default_factory=list)
     finish_reason: str | None = None
 
@@ -33,7 +40,7 @@ class RequestOutput:
         sample = self.samples[chunk.index]
         sample.text += chunk.text
         sample.token_ids.extend(chunk.token_ids)
-        sample.token_texts.extend(_token_texts(chunk))
+        sample.pieces.update(_pieces(chunk))
         sample.logprobs.extend(chunk.logprobs or [])
         sample.finish_reason = chunk.finish_reason
         self.num_prompt_tokens = max(self.num_prompt_tokens, chunk.num_prompt_tokens)
@@ -61,7 +68,7 @@ def usage_body(num_prompt_tokens: int, num_completion_tokens: int, num_cached_to
 def chat_response(request_id: str, model: str, created: int, output: RequestOutput,
                   has_logprobs: bool) -> dict[str, Any]:
     choices = [{"index": i, "message": {"role": "assistant", "content": s.text, "refusal": None},
-                "logprobs": chat_logprobs(s.logprobs, s.token_texts) if has_logprobs else None,
+                "logprobs": chat_logprobs(s.logprobs, s.pieces) if has_logprobs else None,
                 "finish_reason": s.finish_reason} for i, s in enumerate(output.samples)]
     return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": output.usage()}
@@ -70,7 +77,7 @@ def chat_response(request_id: str, model: str, created: int, output: RequestOutp
 def completion_response(request_id: str, model: str, created: int, output: RequestOutput,
                         has_logprobs: bool) -> dict[str, Any]:
     choices = [{"index": i, "text": s.text,
-                "logprobs": completion_logprobs(s.logprobs, s.token_texts, 0) if has_logprobs else None,
+                "logprobs": completion_logprobs(s.logprobs, s.pieces, 0) if has_logprobs else None,
                 "finish_reason": s.finish_reason} for i, s in enumerate(output.samples)]
     return {"id": request_id, "object": "text_completion", "created": created, "model": model,
             "choices": choices, "usage": output.usage()}
@@ -86,7 +93,7 @@ def chat_role_chunk(request_id: str, model: str, created: int, index: int,
 
 def chat_chunk(request_id: str, model: str, created: int, chunk: GenerateChunk, has_logprobs: bool,
                include_usage: bool) -> dict[str, Any]:
-    logprobs = chat_logprobs(chunk.logprobs or [], _token_texts(chunk)) if has_logprobs else None
+    logprobs = chat_logprobs(chunk.logprobs or [], _pieces(chunk)) if has_logprobs else None
     choice = {"index": chunk.index, "delta": {"content": chunk.text} if chunk.text else {}, "logprobs": logprobs,
               "finish_reason": chunk.finish_reason}
     return _chunk(request_id, "chat.completion.chunk", model, created, choice, include_usage)
@@ -95,7 +102,7 @@ def chat_chunk(request_id: str, model: str, created: int, chunk: GenerateChunk, 
 def completion_chunk(request_id: str, model: str, created: int, chunk: GenerateChunk, has_logprobs: bool,
                      text_offset: int, include_usage: bool) -> dict[str, Any]:
     """A streamed text_completion; text_offset is the choice's text length before this chunk."""
-    logprobs = (completion_logprobs(chunk.logprobs or [], _token_texts(chunk), text_offset)
+    logprobs = (completion_logprobs(chunk.logprobs or [], _pieces(chunk), text_offset)
                 if has_logprobs else None)
     choice = {"index": chunk.index, "text": chunk.text, "logprobs": logprobs, "finish_reason": chunk.finish_reason}
     return _chunk(request_id, "text_completion", model, created, choice, include_usage)
@@ -107,35 +114,51 @@ def usage_chunk(request_id: str, object_: str, model: str, created: int, output:
             "usage": output.usage()}
 
 
-def chat_logprobs(entries: list[TokenLogprobEntry], texts: list[str]) -> dict[str, Any]:
+def chat_logprobs(entries: list[TokenLogprobEntry], pieces: Mapping[int, TokenPiece]) -> dict[str, Any]:
     """OpenAI chat logprobs: {"content": [{token, logprob, bytes, top_logprobs}], "refusal": None}."""
-    content = []
-    for entry, text in zip(entries, texts):
-        top = [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in _top(entry, text)]
-        content.append({"token": text, "logprob": entry.logprob, "bytes": list(text.encode()), "top_logprobs": top})
+    content = [{**_item(entry.token_id, entry.logprob, pieces),
+                "top_logprobs": [_item(token_id, logprob, pieces) for token_id, logprob in entry.top]}
+               for entry in entries]
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(entries: list[TokenLogprobEntry], texts: list[str], text_offset: int) -> dict[str, Any]:
-    """Legacy completions logprobs: parallel lists tokens / token_logprobs / top_logprobs / text_offset."""
+def completion_logprobs(entries: list[TokenLogprobEntry], pieces: Mapping[int, TokenPiece],
+                        text_offset: int) -> dict[str, Any]:
+    """Legacy completions logprobs: parallel lists tokens / token_logprobs / top_logprobs / text_offset.
+
+    A token's text_offset counts the characters its earlier tokens complete, so the bytes of one character split
+    over several tokens count once (a whole request's are exact; a stream's chunk starts at text_offset)."""
+    chosen = [_piece(entry.token_id, pieces) for entry in entries]
+    utf8 = codecs.getincrementaldecoder("utf-8")("replace")
     offsets = []
-    for text in texts[:len(entries)]:
+    for piece in chosen:
         offsets.append(text_offset)
-        text_offset += len(text)
-    return {"tokens": texts[:len(entries)], "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [dict(_top(e, t)) for e, t in zip(entries, texts)], "text_offset": offsets}
+        text_offset += len(utf8.decode(piece.raw))
+    return {"tokens": [piece.text for piece in chosen], "token_logprobs": [entry.logprob for entry in entries],
+            "top_logprobs": [{_piece(token_id, pieces).text: logprob for token_id, logprob in entry.top}
+                             for entry in entries],
+            "text_offset": offsets}
 
 
-def _top(entry: TokenLogprobEntry, text: str) -> list[tuple[str, float]]:
-    """Top alternatives as (text, logprob). NOTE: the wire carries no text for alternatives other than the
-    chosen token, so those are named `token_id:<id>` (vLLM's convention)."""
-    return [(text if token_id == entry.token_id else f"token_id:{token_id}", lp) for token_id, lp in entry.top]
+def _item(token_id: int, logprob: float, pieces: Mapping[int, TokenPiece]) -> dict[str, Any]:
+    piece = _piece(token_id, pieces)
+    return {"token": piece.text, "logprob": logprob, "bytes": list(piece.raw)}
 
 
-def _token_texts(chunk: GenerateChunk) -> list[str]:
-    if chunk.token_texts is not None:
-        return list(chunk.token_texts)
-    return [f"token_id:{t}" for t in chunk.token_ids]
+def _piece(token_id: int, pieces: Mapping[int, TokenPiece]) -> TokenPiece:
+    piece = pieces.get(token_id)
+    if piece is None:
+        name = f"token_id:{token_id}"
+        return TokenPiece(token_id, name, name.encode())
+    return piece
+
+
+def _pieces(chunk: GenerateChunk) -> dict[int, TokenPiece]:
+    """The chunk's token pieces by id; from an older tokenizer, its chosen tokens' texts (alternatives unnamed)."""
+    if chunk.token_pieces is not None:
+        return {piece.token_id: piece for piece in chunk.token_pieces}
+    return {token_id: TokenPiece(token_id, text, text.encode())
+            for token_id, text in zip(chunk.token_ids, chunk.token_texts or ())}
 
 
 def _chunk(request_id: str, object_: str, model: str, created: int, choice: dict[str, Any],

@@ -151,8 +151,3 @@ class SampleDetokenizer:
         self.num_tokens += num_used
         self.is_finished = is_final or self._matcher.is_stopped
         return SampleStep("".join(pieces), num_used, self._matcher.is_stopped)
-
-
-def token_texts(decoder: Decoder, token_ids: Sequence[int]) -> list[str]:
-    """Each token decoded on its own, special tokens included (for logprobs)."""
-    return [decoder.decode([token_id], skip_special_tokens=False) for token_id in token_ids]

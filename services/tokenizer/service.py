@@ -22,9 +22,10 @@ import zmq
 import zmq.asyncio
 
 from services.tokenizer.config import TokenizerConfig
-from services.tokenizer.detokenizer import SampleDetokenizer, SampleStep, token_texts
+from services.tokenizer.detokenizer import SampleDetokenizer, SampleStep
 from services.tokenizer.model_files import Tokenizer
 from services.tokenizer.request_table import Action, Fail, RequestTable, Send
+from services.tokenizer.token_pieces import TokenPieces
 from shared.actor import Actor
 from shared.hashing import hash_blocks
 from shared.messages import (
@@ -38,6 +39,7 @@ from shared.messages import (
     TokenizedRequest,
     TokenizerInbound,
     TokenizerStreamInbound,
+    TokenLogprobEntry,
     TokenOutputs,
     encode,
 )
@@ -62,6 +64,7 @@ class RequestState:
     gateway: bytes
     samples: list[SampleDetokenizer] = field(default_factory=list)
     wants_token_texts: bool = False
+    hides_special_logprobs: bool = False  # chat text skips special tokens: so do its logprobs
     worker_finished: set[int] = field(default_factory=set)  # sample indexes the worker has ended
 
     @property
@@ -80,6 +83,7 @@ class TokenizerService(Actor):
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.vocab_size = len(tokenizer) if tokenizer is not None else MAX_TOKEN_ID + 1
+        self.pieces = TokenPieces(tokenizer) if tokenizer is not None else None
         self.requests: dict[str, RequestState] = {}
         self._admitting: set[asyncio.Future] = set()
         self._gateway_handlers: dict[type, Any] = {GenerateRequest: self.on_generate,
@@ -155,6 +159,7 @@ class TokenizerService(Actor):
             state.samples = [SampleDetokenizer(self.tokenizer, req.stop, req.skip_special_tokens,
                                                tokenized.prompt_token_ids) for _ in range(req.sampling.n)]
             state.wants_token_texts = req.sampling.logprobs is not None and self.tokenizer is not None
+            state.hides_special_logprobs = req.messages is not None and req.skip_special_tokens
             await self._run(self.table.add(tokenized))
         except Exception as exc:  # noqa: BLE001 - one bad request must not affect the others
             if self.requests.get(req.request_id) is state:
@@ -243,12 +248,25 @@ class TokenizerService(Actor):
 
     def _chunk(self, out: TokenOutputs, step: SampleStep, state: RequestState) -> GenerateChunk:
         ids = out.token_ids[:step.num_tokens]
+        logprobs = out.logprobs[:step.num_tokens] if out.logprobs is not None else None
+        texts = pieces = None
+        if state.wants_token_texts and self.pieces is not None:
+            logprobs = self._shown_logprobs(logprobs, state)
+            texts = [self.pieces.piece(token_id).text for token_id in ids]
+            named = [token_id for entry in logprobs or () for token_id, _ in entry.top]
+            pieces = self.pieces.pieces([*ids, *named])
         return GenerateChunk(
-            request_id=out.request_id, index=out.index, text=step.text, token_ids=ids,
-            logprobs=out.logprobs[:step.num_tokens] if out.logprobs is not None else None,
-            token_texts=token_texts(self.tokenizer, ids) if state.wants_token_texts else None,
-            finish_reason="stop" if step.is_stopped else out.finish_reason,
-            num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens)
+            request_id=out.request_id, index=out.index, text=step.text, token_ids=ids, logprobs=logprobs,
+            token_texts=texts, finish_reason="stop" if step.is_stopped else out.finish_reason,
+            num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens, token_pieces=pieces)
+
+    def _shown_logprobs(self, logprobs: list[TokenLogprobEntry] | None,
+                        state: RequestState) -> list[TokenLogprobEntry] | None:
+        """Chat logprobs match the message text: the tokens it leaves out (an end-of-turn token) have none.
+        NOTE: they stay in token_ids, so usage still counts them."""
+        if logprobs is None or not state.hides_special_logprobs or self.pieces is None:
+            return logprobs
+        return [entry for entry in logprobs if not self.pieces.is_hidden(entry.token_id)]
 
     async def on_stream_error(self, err: GenerateError) -> None:
         if err.request_id in self.requests:

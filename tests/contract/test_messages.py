@@ -11,13 +11,14 @@ import pytest
 
 from shared import messages
 from shared.messages import (PROTOCOL_VERSION, AbortRequest, AdoptRequest, AllBlocksCleared, BlocksRemoved,
-                             BlocksStored, CacheSnapshot, ChatMessage, CudaIpcHandle, EngineMetrics, GenerateChunk,
+                             BlocksStored, CacheSnapshot, ChatMessage, CudaIpcHandle, EngineMetrics, GatewayInbound,
+                             GenerateChunk,
                              GenerateError, GenerateRequest, HandoffAccepted, HistogramCounts, KVEvent, KVEventBatch,
                              KVReady, KVSource, MetricsReply, MetricsRequest, PagesChunk, PagesRequest, PrefillRequest,
                              ReleaseLease, RequestFinished, RequestRouted, SchedulerInbound,
                              SchedulerReply, SnapshotRequest, StatusReply, StatusRequest, TokenBatch, TokenizedRequest,
-                             TokenLogprobEntry, TokenOutputs, TransferStats, WorkerGone, WorkerHeartbeat, WorkerLoad,
-                             decode, encode)
+                             TokenLogprobEntry, TokenOutputs, TokenPiece, TransferStats, WorkerGone, WorkerHeartbeat,
+                             WorkerLoad, decode, encode)
 from shared.sampling import SamplingParams
 
 
@@ -60,6 +61,7 @@ EXAMPLES: dict[type[msgspec.Struct], list[msgspec.Struct]] = {
                       GenerateRequest("r3", SAMPLING, messages=[ChatMessage("system", "s"), ChatMessage("user", "u")])],
     AbortRequest: [AbortRequest("r1"), AbortRequest("r1", reason="client_gone", worker_id="w1")],
     TokenLogprobEntry: [LOGPROB, TokenLogprobEntry(1, 0.0)],
+    TokenPiece: [TokenPiece(5, "Hello", b"Hello"), TokenPiece(218, "bytes:\\x80", b"\x80")],
     TokenizedRequest: [TOKENIZED, TokenizedRequest("r2", [1], [], SamplingParams(), "ipc://tok0", 0.0)],
     RequestRouted: [RequestRouted("r1", "w1"), RequestRouted("r1", "w-decode", prefill_worker_id="w-prefill")],
     AdoptRequest: [AdoptRequest("r1", "w1", "ipc://tok0", prefill_worker_id="w-prefill")],
@@ -69,7 +71,10 @@ EXAMPLES: dict[type[msgspec.Struct], list[msgspec.Struct]] = {
                                    TokenOutputs("r2", 1, [6], [LOGPROB], "length", 3, 0)])],
     GenerateChunk: [GenerateChunk("r1", 0, "Hello", [19556]),
                     GenerateChunk("r1", 1, "", [], logprobs=[LOGPROB], token_texts=["\ufffd"], finish_reason="stop",
-                                  num_prompt_tokens=7, num_cached_tokens=4)],
+                                  num_prompt_tokens=7, num_cached_tokens=4),
+                    GenerateChunk("r1", 0, "", [218], logprobs=[LOGPROB], token_texts=["bytes:\\x80"],
+                                  token_pieces=[TokenPiece(218, "bytes:\\x80", b"\x80"),
+                                                TokenPiece(9, "é", b"\xc3\xa9")])],
     GenerateError: [GenerateError("r1", 429, "rate_limit_error", "busy", retry_after_s=1.5),
                     GenerateError("r1", 503, "server_error", "worker lost", worker_lost=True),
                     GenerateError("r1", 400, "invalid_request_error", "too long",
@@ -214,3 +219,10 @@ def test_metrics_messages_round_trip(msg: msgspec.Struct, union: object) -> None
     assert type(decoded) is type(msg)
     assert decoded == msg
     assert decoded.version == PROTOCOL_VERSION == 3
+
+
+def test_chunk_of_an_older_tokenizer_decodes_without_token_pieces() -> None:
+    old = {k: v for k, v in msgspec.to_builtins(EXAMPLES[GenerateChunk][2]).items() if k != "token_pieces"}
+    decoded = decode(msgspec.msgpack.encode(old), GatewayInbound)
+    assert isinstance(decoded, GenerateChunk)
+    assert (decoded.token_pieces, decoded.token_texts) == (None, ["bytes:\\x80"])

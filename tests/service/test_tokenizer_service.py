@@ -21,7 +21,7 @@ from services.tokenizer.model_files import load_tokenizer
 from shared.hashing import hash_blocks
 from shared.messages import (AbortRequest, ChatMessage, GatewayInbound, GenerateChunk, GenerateError,
                              GenerateRequest, SamplingSpec, SchedulerInbound, TokenBatch, TokenizedRequest,
-                             TokenLogprobEntry, TokenOutputs, decode, encode)
+                             TokenLogprobEntry, TokenOutputs, TokenPiece, decode, encode)
 
 pytestmark = pytest.mark.slow
 
@@ -178,6 +178,52 @@ def test_logprobs_carry_token_texts(peers: Peers) -> None:
     [chunk] = peers.chunks("logp-1")
     assert (chunk.text, chunk.token_ids, chunk.logprobs) == ("Hello", [19556, IM_END], entries)
     assert (chunk.token_texts, chunk.finish_reason) == (["Hello", "<|im_end|>"], "length")
+    assert chunk.token_pieces == [TokenPiece(19556, "Hello", b"Hello"), TokenPiece(IM_END, "<|im_end|>", b"<|im_end|>")]
+
+
+def test_alternatives_come_back_as_text_and_raw_bytes(peers: Peers, tok) -> None:
+    """Each id the top lists name is decoded; a byte token that is part of a character keeps its own bytes."""
+    peers.generate("logp-2", prompt_text="Hi", sampling=SamplingSpec(max_tokens=8, logprobs=2))
+    peers.tokenized("logp-2")
+    yes, no = tok.encode(" Yes"), tok.encode(" No")
+    assert len(yes) == len(no) == 1
+    emoji = tok.encode("😀")  # f0 9f | 98 | 80: byte tokens, no character on their own
+    assert len(emoji) == 3
+    entries = [TokenLogprobEntry(i, -0.5, [(i, -0.5), (yes[0], -1.0), (no[0], -2.0)]) for i in emoji]
+    for i, entry in zip(emoji[:2], entries[:2]):
+        peers.push("logp-2", [i], logprobs=[entry])
+    peers.push("logp-2", emoji[2:], finish_reason="length", logprobs=entries[2:])
+    chunks = peers.chunks("logp-2")
+    assert "".join(c.text for c in chunks) == "😀"
+    for c in chunks:
+        by_id = {p.token_id: p for p in c.token_pieces}
+        assert list(by_id) == [*c.token_ids, yes[0], no[0]]
+        assert (by_id[yes[0]].text, by_id[yes[0]].raw, by_id[no[0]].text) == (" Yes", b" Yes", " No")
+        assert [by_id[i].text for i in c.token_ids] == c.token_texts
+    raw = [p.raw for c in chunks for p in c.token_pieces if p.token_id in emoji]
+    assert raw == [b"\xf0\x9f", b"\x98", b"\x80"]
+    assert [p.text for c in chunks for p in c.token_pieces if p.token_id in emoji] == [
+        "bytes:\\xf0\\x9f", "bytes:\\x98", "bytes:\\x80"]
+
+
+def test_chat_logprobs_leave_out_the_end_of_turn_token(peers: Peers) -> None:
+    peers.generate("logp-3", messages=MESSAGES, sampling=SamplingSpec(max_tokens=8, logprobs=1))
+    peers.tokenized("logp-3")
+    entries = [TokenLogprobEntry(19556, -0.5, [(19556, -0.5)]), TokenLogprobEntry(IM_END, -0.1, [(IM_END, -0.1)])]
+    peers.push("logp-3", [19556, IM_END], finish_reason="stop", logprobs=entries)
+    [chunk] = peers.chunks("logp-3")
+    assert (chunk.text, chunk.token_ids, chunk.logprobs) == ("Hello", [19556, IM_END], entries[:1])
+
+
+@pytest.mark.parametrize("fields", [{"prompt_text": "Hi"}, {"messages": MESSAGES, "skip_special_tokens": False}],
+                         ids=["completion", "chat-with-special-tokens"])
+def test_logprobs_keep_the_end_of_turn_token_the_text_shows(peers: Peers, fields: dict[str, Any]) -> None:
+    peers.generate("logp-4", sampling=SamplingSpec(max_tokens=8, logprobs=1), **fields)
+    peers.tokenized("logp-4")
+    entries = [TokenLogprobEntry(19556, -0.5, [(19556, -0.5)]), TokenLogprobEntry(IM_END, -0.1, [(IM_END, -0.1)])]
+    peers.push("logp-4", [19556, IM_END], finish_reason="stop", logprobs=entries)
+    [chunk] = peers.chunks("logp-4")
+    assert (chunk.token_ids, chunk.logprobs) == ([19556, IM_END], entries)
 
 
 def test_stop_string_ends_the_sample_and_aborts_at_the_scheduler(peers: Peers) -> None:

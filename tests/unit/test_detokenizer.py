@@ -9,7 +9,6 @@ from services.tokenizer.detokenizer import (
     IncrementalDetokenizer,
     SampleDetokenizer,
     StopStringMatcher,
-    token_texts,
 )
 from services.tokenizer.model_files import load_tokenizer
 
@@ -74,10 +73,6 @@ def test_prompt_context_is_not_emitted(tok) -> None:
                                      tokenize=True, return_dict=False)
     detok = IncrementalDetokenizer(tok, context_ids=prompt)
     assert feed_each(detok, STOP_TEXT_IDS[:3]) == ["Hello", " world", ","]
-
-
-def test_token_texts_include_specials(tok) -> None:
-    assert token_texts(tok, [19556, IM_END, 218]) == ["Hello", "<|im_end|>", "\ufffd"]
 
 
 def test_stop_string_across_tokens_is_never_partly_emitted(tok) -> None:
