@@ -40,9 +40,24 @@ def _total(samples: dict[str, dict[str, float]], name: str) -> float:
     return sum(samples.get(name, {}).values())
 
 
+def _settled_scrape(url: str) -> dict:
+    """A scrape once the engine series have caught up with earlier tests' requests (heartbeats carry them late):
+    nothing running, and the token counters unchanged across more than two heartbeat intervals."""
+    deadline = time.monotonic() + 30
+    previous = _scrape(url)
+    while True:
+        time.sleep(1.2)
+        current = _scrape(url)
+        counters = ("radixserve_generation_tokens_total", "radixserve_prompt_tokens_total")
+        if (all(_total(current, c) == _total(previous, c) for c in counters)
+                and _total(current, "radixserve_num_requests_running") == 0) or time.monotonic() > deadline:
+            return current
+        previous = current
+
+
 def test_metrics_show_each_workers_engine(served: str) -> None:
     client = openai.OpenAI(base_url=served + "/v1", api_key="unused", max_retries=0, timeout=120)
-    before = _scrape(served)
+    before = _settled_scrape(served)
     prompt = "You are a careful assistant. " * 12 + "Name a colour."
     replies = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0) for n in (6, 9)]
     generated = sum(r.usage.completion_tokens for r in replies)

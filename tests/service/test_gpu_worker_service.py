@@ -325,18 +325,22 @@ def test_abort_of_a_waiting_n_request_ends_every_sample(worker: Worker) -> None:
     assert worker.finished("blocker") == RequestFinished("blocker", WORKER_ID)
 
 
-@pytest.mark.parametrize("prompt, sampling, message", [
-    ([5, VOCAB], {}, f"prompt token ids must be in [0, {VOCAB})"),
-    ([], {}, "the prompt is empty"),
-    ([5, 6], {"top_p": 0.0}, "Invalid 'top_p': decimal below minimum value. Expected a value > 0, but got 0.0 instead."),
+@pytest.mark.parametrize("prompt, sampling, message, error_code, param", [
+    ([5, VOCAB], {}, f"prompt token ids must be in [0, {VOCAB})", None, None),
+    ([], {}, "the prompt is empty", None, None),
+    ([5, 6], {"top_p": 0.0}, "Invalid 'top_p': decimal below minimum value. Expected a value > 0, but got 0.0 instead.",
+     "decimal_below_min_value", "top_p"),
     ([5, 6], {"max_tokens": 0},
-     "Invalid 'max_tokens': integer below minimum value. Expected a value >= 1, but got 0 instead."),
+     "Invalid 'max_tokens': integer below minimum value. Expected a value >= 1, but got 0 instead.",
+     "integer_below_min_value", "max_tokens"),
 ])
-def test_an_invalid_request_gets_400_and_the_worker_serves_on(worker: Worker, prompt: list[int],
-                                                               sampling: dict, message: str) -> None:
+def test_an_invalid_request_gets_400_and_the_worker_serves_on(worker: Worker, prompt: list[int], sampling: dict,
+                                                               message: str, error_code: str | None,
+                                                               param: str | None) -> None:
     worker.request("bad", prompt, **sampling)
 
-    assert worker.error("bad") == GenerateError("bad", 400, "invalid_request_error", message)
+    assert worker.error("bad") == GenerateError("bad", 400, "invalid_request_error", message, error_code=error_code,
+                                                param=param)
     assert worker.finished("bad") == RequestFinished("bad", WORKER_ID)
     worker.request("good", [5, 6, 7], max_tokens=2, temperature=0.0, ignore_eos=True)
     assert len(_tokens(worker.outputs("good"))) == 2

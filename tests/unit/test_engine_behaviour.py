@@ -131,9 +131,9 @@ def test_max_tokens_gives_length() -> None:
 
 
 @pytest.mark.parametrize(("prompt_len", "num_out"), [(15, 5), (19, 1)])
-def test_context_limit_gives_length(prompt_len: int, num_out: int) -> None:
-    engine = _engine(max_model_len=20)
-    sample = engine.generate([_prompt(prompt_len)], _greedy(100))[0].samples[0]
+def test_a_request_that_fills_the_context_runs_to_its_end(prompt_len: int, num_out: int) -> None:
+    engine = _engine(max_model_len=20)  # longer requests are refused (context_length_exceeded, tested above)
+    sample = engine.generate([_prompt(prompt_len)], _greedy(num_out))[0].samples[0]
     assert len(sample.token_ids) == num_out
     assert sample.finish_reason is FinishReason.LENGTH
 
