@@ -67,6 +67,9 @@ class SamplingParams(msgspec.Struct, frozen=True):
     logprobs: Annotated[int | None, Bound(0, MAX_LOGPROBS)] = None  # None: none; k: the chosen token's + top k
     # (token id, bias in [-100, 100]) pairs added to the logits before any filter (OpenAI's dict, as pairs)
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Set by the gateway when the body named no max_tokens (chat's default ceiling): a worker then clips max_tokens to
+    # the context the prompt leaves, as OpenAI does, instead of refusing with context_length_exceeded. Not a body field.
+    is_max_tokens_default: bool = False
 
     @property
     def is_greedy(self) -> bool:

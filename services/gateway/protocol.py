@@ -21,7 +21,7 @@ _IGNORED = {"user", "metadata", "store", "service_tier", "safety_identifier", "p
             "parallel_tool_calls", "moderation"}
 # Every SamplingParams field is a body parameter of both endpoints (OpenAI's, and vLLM-style extensions such as
 # top_k); those below the gateway reads itself (max_tokens, logprobs) or maps (top_k -1 → 0).
-_SAMPLING = frozenset(SamplingParams.__struct_fields__)
+_SAMPLING = frozenset(SamplingParams.__struct_fields__) - {"is_max_tokens_default"}  # set below, not by clients
 _SAMPLING_SPECIAL = frozenset({"max_tokens", "logprobs"})
 _COMMON = _SAMPLING | {"model", "stream", "stream_options", "stop", "logit_bias", "skip_special_tokens"}
 CHAT_PARAMS = frozenset(_COMMON | _IGNORED | {
@@ -110,6 +110,8 @@ def parse_chat_request(body: Any, *, request_id: str, model_ids: Collection[str]
         raise ApiError(400, "Invalid value for 'top_logprobs': 'logprobs' must be true when 'top_logprobs' "
                             "is set.", param="top_logprobs", code="invalid_value")
     sampling = _sampling(body, max_tokens, (top_logprobs or 0) if is_logprobs else None)
+    if body.get("max_completion_tokens") is None and body.get("max_tokens") is None:
+        sampling = msgspec.structs.replace(sampling, is_max_tokens_default=True)
     return _parsed(body, GenerateRequest(request_id, sampling, messages=messages, stop=parse_stop(body.get("stop")),
                                          skip_special_tokens=_bool(body, "skip_special_tokens", True),
                                          deadline_s=deadline_s), is_chat=True)

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
 import torch
 
 from services.gpu_worker.attention import AttentionMetadata, make_backend
@@ -214,6 +215,7 @@ class Engine:
         pages are held (see drain_handoffs / release_held), unless that token already ended it.
         arrival_s: when the request arrived (unix time; default now), the start of its queue time.
         """
+        params = self._fit_default_max_tokens(prompt_token_ids, params)
         self._validate(request_id, prompt_token_ids, params.max_tokens)
         if is_prefill_only and params.n > 1:
             raise ValueError("a prefill-only request must have n == 1")
@@ -250,6 +252,7 @@ class Engine:
         page_indices_to_fill (a pull) and then calls finish_import. With no room in the pool the request
         is queued to recompute its prompt here instead (is_recompute; nothing to pull).
         """
+        params = self._fit_default_max_tokens(prompt_token_ids, params)
         self._validate(request_id, prompt_token_ids, params.max_tokens)
         if params.n > 1:
             raise ValueError("an imported request must have n == 1")
@@ -281,6 +284,13 @@ class Engine:
             self.policy.release(seq)
             self.policy.add(seq)
         return True
+
+    def _fit_default_max_tokens(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """A max_tokens the client did not set is clipped to the context the prompt leaves (OpenAI's behaviour)."""
+        room = self.max_model_len - len(prompt_token_ids)
+        if params.is_max_tokens_default and 0 < room < params.max_tokens:
+            return msgspec.structs.replace(params, max_tokens=room)
+        return params
 
     def _validate(self, request_id: str, prompt_token_ids: list[int], max_tokens: int) -> None:
         if request_id in self._requests:

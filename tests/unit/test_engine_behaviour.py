@@ -138,6 +138,14 @@ def test_a_request_that_fills_the_context_runs_to_its_end(prompt_len: int, num_o
     assert sample.finish_reason is FinishReason.LENGTH
 
 
+@pytest.mark.parametrize(("prompt_len", "num_out"), [(15, 5), (19, 1)])
+def test_a_default_max_tokens_is_clipped_to_the_context_left(prompt_len: int, num_out: int) -> None:
+    engine = _engine(max_model_len=20)  # a chat body without max_tokens: the gateway's ceiling of 100 does not fit
+    sample = engine.generate([_prompt(prompt_len)], _greedy(100, is_max_tokens_default=True))[0].samples[0]
+    assert len(sample.token_ids) == num_out
+    assert sample.finish_reason is FinishReason.LENGTH
+
+
 def test_growth_past_the_whole_pool_ends_with_length() -> None:
     # 9 pages of 4 = 36 usable slots: a sequence alone can hold 36 tokens of KV, never more.
     engine = _engine(num_pages=10)

@@ -35,7 +35,8 @@ def error_of(fn, **body: Any) -> ApiError:
 
 def test_minimal_chat_request() -> None:
     parsed = chat()
-    assert parsed.generate == GenerateRequest("chatcmpl-1", SamplingSpec(max_tokens=1024),
+    default = SamplingSpec(max_tokens=1024, is_max_tokens_default=True)
+    assert parsed.generate == GenerateRequest("chatcmpl-1", default,
                                               messages=[ChatMessage("user", "hi")], deadline_s=99.0)
     assert (parsed.model, parsed.is_chat, parsed.is_stream, parsed.include_usage) == (MODEL, True, False, False)
     assert parsed.has_logprobs is False
@@ -59,7 +60,7 @@ def test_max_completion_tokens_wins_over_max_tokens() -> None:
 
 def test_null_values_mean_default() -> None:
     parsed = chat(temperature=None, n=None, stop=None, tools=None, logprobs=None, stream=None)
-    assert parsed.generate.sampling == SamplingSpec(max_tokens=1024)
+    assert parsed.generate.sampling == SamplingSpec(max_tokens=1024, is_max_tokens_default=True)
 
 
 def test_top_k_minus_one_disables() -> None:
@@ -93,7 +94,7 @@ def test_stream_and_include_usage() -> None:
 def test_neutral_values_of_unsupported_parameters_are_accepted() -> None:
     parsed = chat(tools=[], tool_choice="none", response_format={"type": "text"}, logit_bias={},
                   modalities=["text"], parallel_tool_calls=False)
-    assert parsed.generate.sampling == SamplingSpec(max_tokens=1024)
+    assert parsed.generate.sampling == SamplingSpec(max_tokens=1024, is_max_tokens_default=True)
 
 
 def test_logit_bias_becomes_sorted_token_id_pairs() -> None:
@@ -341,3 +342,12 @@ def test_usage_chunk() -> None:
         "id": "r1", "object": "text_completion", "created": 100, "model": MODEL, "choices": [],
         "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
                   "prompt_tokens_details": {"cached_tokens": 4}}}
+
+
+def test_chat_without_max_tokens_sends_a_default_the_worker_may_clip() -> None:
+    assert chat().generate.sampling.is_max_tokens_default is True
+    assert chat().generate.sampling.max_tokens == 1024
+    assert chat(max_tokens=5).generate.sampling.is_max_tokens_default is False
+    assert chat(max_completion_tokens=5).generate.sampling.is_max_tokens_default is False
+    assert completion().generate.sampling.is_max_tokens_default is False
+    assert error_of(chat, is_max_tokens_default=True).status == 400  # internal: not a body parameter
