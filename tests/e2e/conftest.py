@@ -12,6 +12,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 
 
@@ -69,3 +70,9 @@ def served(tmp_path_factory) -> Iterator[str]:
     with serving(["--workers", "2", "--num-pages", "512", "--device", "cpu"],
                  tmp_path_factory.mktemp("serve") / "serve.log") as url:
         yield url
+
+
+@pytest.fixture(scope="module")
+def client(served: str) -> openai.OpenAI:
+    """The openai SDK against `served`, with no retries."""
+    return openai.OpenAI(base_url=served + "/v1", api_key="unused", max_retries=0, timeout=120)

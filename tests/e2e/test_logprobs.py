@@ -10,11 +10,6 @@ MODEL = "smollm2-135m-instruct"
 QUESTION = [{"role": "user", "content": "Name three fruits, with an emoji for each."}]
 
 
-@pytest.fixture(scope="module")
-def client(served: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=served + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def assert_real_token(token: str, raw: list[int]) -> None:
     """The token is its bytes as UTF-8, or, for part of a character, "bytes:" and those bytes escaped."""
     assert not token.startswith("token_id:")

@@ -14,11 +14,6 @@ MODEL = "smollm2-135m-instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
 
-@pytest.fixture(scope="module")
-def client(served: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=served + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def test_models_lists_the_bundled_model(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
 
