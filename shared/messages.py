@@ -232,6 +232,7 @@ class WorkerHeartbeat(msgspec.Struct, frozen=True, tag=True):
     load: WorkerLoad
     transfer: TransferStats | None = None  # PD counters since start (None from workers before PD)
     metrics: EngineMetrics | None = None  # protocol 3: the engine's counters and gauges (None from older workers)
+    is_draining: bool = False  # stopping (SIGTERM): route it nothing new; it finishes what it has
     version: int = PROTOCOL_VERSION
 
 

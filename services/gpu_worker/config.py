@@ -64,6 +64,13 @@ class WorkerConfig:
                                metadata={"help": "prefill role: seconds a decode worker has to pull a prompt's KV"})
     host_id: str = field(default="", metadata={"help": "placement identity for KV transfer (empty: hostname)"})
     num_pull_threads: int = field(default=2, metadata={"help": "decode side: concurrent KV pulls"})
+    drain_timeout_s: float = field(default=0.0, metadata={
+        "help": "on a stop signal, seconds the worker keeps serving what it has (its heartbeats say draining, so "
+                "schedulers route it nothing new) before it fails what is left and stops (0, the default: no "
+                "drain, as under `serve`, whose gateway drains first; Kubernetes sets it)"})
+    health_file: str = field(default="", metadata={
+        "help": "path rewritten at every heartbeat with 'serving' or 'draining' (its age tells a probe the event "
+                "loop runs; empty: none)"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
 
     def __post_init__(self) -> None:
@@ -72,6 +79,8 @@ class WorkerConfig:
             raise ValueError("scheduler_addrs names no scheduler")
         if self.heartbeat_interval_s <= 0:
             raise ValueError("heartbeat_interval_s must be > 0")
+        if self.drain_timeout_s < 0:
+            raise ValueError("drain_timeout_s must be >= 0")
         if self.lease_ttl_s <= 0 or self.num_pull_threads < 1:
             raise ValueError("lease_ttl_s must be > 0 and num_pull_threads >= 1")
         if self.tensor_parallel_size < 1:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import sys
 import time
 import uuid
@@ -23,7 +24,7 @@ from services.gpu_worker.parallel.tp_engine import LockstepEngine, start_engine
 from shared import hashing, transport
 from shared.actor import Actor
 from shared.messages import (AbortRequest, KVReady, PrefillRequest, ReleaseLease, SnapshotRequest,
-                             TokenizedRequest, WorkerGone, WorkerHeartbeat, WorkerInbound)
+                             TokenizedRequest, WorkerGone, WorkerHeartbeat, WorkerInbound, WorkerLoad)
 
 log = structlog.get_logger(__name__)
 
@@ -49,6 +50,7 @@ class WorkerService(Actor):
         self._page_server: PageServer | None = None
         self._exported: ExportedPool | None = None
         self._tp_engine: LockstepEngine | None = None  # tensor_parallel_size > 1: rank 0, its followers spawned
+        self._is_draining = False
         self._handlers = {TokenizedRequest: self._on_request, AbortRequest: self._on_abort,
                           SnapshotRequest: self._on_snapshot, PrefillRequest: self._on_prefill,
                           KVReady: self._on_kv_ready, ReleaseLease: self._on_release}
@@ -172,7 +174,27 @@ class WorkerService(Actor):
         await self._to_schedulers(WorkerHeartbeat(
             worker_id=self.worker_id, incarnation=self.incarnation, addr=self._worker_addr,
             model_id=engine.model_config.model_id, role=self.config.role, page_size=engine.config.page_size,
-            load=self.engine_loop.load, transfer=self.engine_loop.transfer, metrics=self.engine_loop.metrics))
+            load=self.engine_loop.load, transfer=self.engine_loop.transfer, metrics=self.engine_loop.metrics,
+            is_draining=self._is_draining))
+        if self.config.health_file:
+            write_health_file(self.config.health_file, "draining" if self._is_draining else "serving")
+
+    async def drain(self) -> None:
+        """Say draining (schedulers route nothing new here), let requests routed meanwhile arrive, then serve what
+        is held until the engine is idle or drain_timeout_s passed; close() fails whatever is left."""
+        if self.engine_loop is None or not self.config.drain_timeout_s:
+            return
+        self._is_draining = True
+        await self._heartbeat()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.drain_timeout_s
+        await asyncio.sleep(min(2 * self.config.heartbeat_interval_s, self.config.drain_timeout_s))
+        log.info("draining", load=msgspec.structs.asdict(self.engine_loop.load),
+                 timeout_s=self.config.drain_timeout_s)
+        while not is_idle(self.engine_loop.load) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if not is_idle(self.engine_loop.load):
+            log.warning("drain timeout; failing the requests left", load=msgspec.structs.asdict(self.engine_loop.load))
 
     async def close(self) -> None:
         """Fail what is in flight, flush its messages, say WorkerGone, and close every socket."""
@@ -198,3 +220,16 @@ class WorkerService(Actor):
         # NOTE: destroy() closes every socket of the context (PushPool's too) with this linger, then blocks
         # until the final messages left or the linger ran out.
         transport.context().destroy(linger=FLUSH_LINGER_MS)
+
+
+def is_idle(load: WorkerLoad) -> bool:
+    """Nothing running, waiting or leased to a decode worker."""
+    return load.num_running == 0 and load.num_waiting == 0 and load.num_leased_pages == 0
+
+
+def write_health_file(path: str, state: str) -> None:
+    """Replace path's content with state (atomically: a probe never reads half a file)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(state)
+    os.replace(tmp, path)

@@ -78,8 +78,8 @@ class RoutingPolicy(Protocol):
 
 def is_eligible(worker: WorkerInfo, request: RouteRequest, heartbeat_timeout_s: float,
                 roles: tuple[str, ...] = ROUTABLE_ROLES) -> bool:
-    """Alive, of one of roles, and serving the request's model (when it names one)."""
-    return (worker.is_alive(request.now_s, heartbeat_timeout_s) and worker.role in roles
+    """Alive, not draining, of one of roles, and serving the request's model (when it names one)."""
+    return (worker.is_alive(request.now_s, heartbeat_timeout_s) and not worker.is_draining and worker.role in roles
             and (request.model_id is None or worker.model_id == request.model_id))
 
 

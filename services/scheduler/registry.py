@@ -24,6 +24,7 @@ class WorkerInfo:
     page_size: int
     load: WorkerLoad
     last_seen_s: float
+    is_draining: bool = False  # the worker is stopping: it finishes its requests and takes no new ones
 
     def is_alive(self, now_s: float, timeout_s: float) -> bool:
         return now_s - self.last_seen_s <= timeout_s
@@ -52,7 +53,7 @@ class Registry:
         """Record a heartbeat; returns its kind and, on RESTARTED, the replaced incarnation's entry."""
         old = self._workers.get(hb.worker_id)
         self._workers[hb.worker_id] = WorkerInfo(hb.worker_id, hb.incarnation, hb.addr, hb.model_id, hb.role,
-                                                 hb.page_size, hb.load, now_s)
+                                                 hb.page_size, hb.load, now_s, hb.is_draining)
         if old is None:
             return HeartbeatKind.NEW, None
         if old.incarnation != hb.incarnation:
