@@ -4,22 +4,17 @@ from __future__ import annotations
 
 import functools
 import json
-import random
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
 
-from services.gpu_worker.engine import Engine
-from services.gpu_worker.engine_config import EngineConfig
 from services.gpu_worker.model.loader import LoadedModel, config_from_hf, load_model
 from services.gpu_worker.model.phi3 import checkpoint_shapes
-from services.gpu_worker.request import SamplingParams
-from tests.unit.step_modes import MODE, step_mode  # noqa: F401 - step_mode: autouse, both modes
+from tests.unit.hf_checkpoints import engine_tokens, hf_generate, random_prompts
+from tests.unit.step_modes import step_mode  # noqa: F401 - step_mode: autouse, both modes
 
-NUM_NEW = 8
-GREEDY = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
 TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
             initializer_range=0.1)
@@ -38,25 +33,6 @@ def _checkpoint(root: str) -> tuple[Path, transformers.PreTrainedModel]:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, transformers.PreTrainedModel]:
     return _checkpoint(str(tmp_path_factory.mktemp("phi3")))
-
-
-def _prompts(num: int = 5, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, TINY["vocab_size"]) for _ in range(rng.randint(1, 40))] for _ in range(num)]
-
-
-@torch.inference_mode()
-def _hf_generate(model: transformers.PreTrainedModel, prompt: list[int]) -> list[int]:
-    gen = transformers.GenerationConfig(max_new_tokens=NUM_NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
-    out = model.generate(torch.tensor([prompt]), generation_config=gen)
-    return out[0, len(prompt):].tolist()
-
-
-def _engine_tokens(loaded: LoadedModel, prompts: list[list[int]], **overrides) -> list[list[int]]:
-    settings = dict(model=loaded.source_dir, device="cpu", dtype="float32", num_pages=256, page_size=4,
-                    enable_overlap=MODE["overlap"])
-    engine = Engine(EngineConfig(**{**settings, **overrides}), loaded=loaded)
-    return [r.samples[0].token_ids for r in engine.generate(prompts, GREEDY)]
 
 
 def test_checkpoint_is_fused_and_split_on_load(checkpoint) -> None:
@@ -84,10 +60,10 @@ def test_checkpoint_is_fused_and_split_on_load(checkpoint) -> None:
 @pytest.mark.parametrize("max_num_batched_tokens", [None, 7])
 def test_greedy_equals_transformers_generate(checkpoint, max_num_batched_tokens: int | None) -> None:
     path, hf = checkpoint
-    prompts = _prompts()
+    prompts = random_prompts(TINY["vocab_size"])
     overrides = {} if max_num_batched_tokens is None else {"max_num_batched_tokens": max_num_batched_tokens}
-    got = _engine_tokens(load_model(str(path)), prompts, **overrides)
-    assert got == [_hf_generate(hf, p) for p in prompts]
+    got = engine_tokens(load_model(str(path)), prompts, **overrides)
+    assert got == [hf_generate(hf, p) for p in prompts]
 
 
 def test_a_wrong_split_order_breaks_exactness(checkpoint) -> None:
@@ -98,10 +74,10 @@ def test_a_wrong_split_order_breaks_exactness(checkpoint) -> None:
     for i in range(loaded.config.num_layers):
         gate, up = f"model.layers.{i}.mlp.gate_proj.weight", f"model.layers.{i}.mlp.up_proj.weight"
         swapped[gate], swapped[up] = loaded.state_dict[up], loaded.state_dict[gate]
-    prompts = _prompts()
-    want = [_hf_generate(hf, p) for p in prompts]
+    prompts = random_prompts(TINY["vocab_size"])
+    want = [hf_generate(hf, p) for p in prompts]
     wrong = LoadedModel(loaded.config, swapped, None, loaded.source_dir)
-    got = _engine_tokens(wrong, prompts)
+    got = engine_tokens(wrong, prompts)
     assert sum(g != w for g, w in zip(got, want)) >= 3
 
 

@@ -22,10 +22,11 @@ class ModelConfig:
     """Shapes and switches of a decoder-only Llama-family transformer.
 
     Covers Llama 2/3 (`rope_scaling`), Mistral, Qwen2 (`attention_bias`), Qwen3 (`qk_norm`), SmolLM2
-    (`tie_word_embeddings`) and Phi-3 (fused checkpoint tensors, split on load: model/phi3.py).
+    (`tie_word_embeddings`), Phi-3 (fused checkpoint tensors, split on load: model/phi3.py) and the
+    mixture-of-experts Mixtral and Qwen3-MoE (`num_experts` > 0: model/moe.py, model/moe_families.py).
     """
 
-    arch: str  # a registered model_type (model/registry.py): "llama" | "mistral" | "qwen2" | "qwen3" | "phi3"
+    arch: str  # a registered model_type (model/registry.py): "llama" | "mistral" | "qwen2" | "qwen3" | "phi3" | ...
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -40,9 +41,17 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    num_experts: int = 0  # > 0: a mixture-of-experts model (its MLPs are routed experts)
+    num_experts_per_tok: int = 0  # top-k experts each token is routed to
+    moe_intermediate_size: int = 0  # each expert's SwiGLU width (intermediate_size: the dense layers')
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1 (Mixtral: always)
+    dense_mlp_layers: tuple[int, ...] = ()  # MoE models: layers that keep a dense MLP (Qwen3-MoE mlp_only_layers)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     model_id: str = ""  # salts the block hashes; names the model in the API
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_mlp_layers
 
     def with_(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)

@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) over a paged KV cache.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2, Phi-3; Mixtral and Qwen3-MoE with the
+routed-experts MLP of moe.py) over a paged KV cache.
 
 Parameter names equal Hugging Face's, so a transformers state dict loads as it is.
 
@@ -18,6 +19,7 @@ from torch import nn
 from services.gpu_worker.attention.base import AttentionBackend, AttentionMetadata
 from services.gpu_worker.kv_cache import KVCache
 from services.gpu_worker.model.config import ModelConfig
+from services.gpu_worker.model.moe import SparseMoe
 from services.gpu_worker.model.rope import apply_rope, cos_sin, inv_frequencies
 
 if TYPE_CHECKING:
@@ -86,7 +88,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer, tp)
-        self.mlp = MLP(cfg, tp)
+        self.mlp = SparseMoe(cfg) if cfg.is_moe_layer(layer) else MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -116,6 +118,9 @@ class LlamaForCausalLM(nn.Module):
         if tp is not None:
             from services.gpu_worker.parallel.shard import check_tensor_parallel
 
+            if cfg.num_experts:
+                raise ValueError(f"{cfg.model_id or cfg.arch}: mixture-of-experts models do not run tensor "
+                                 f"parallel yet; use tensor_parallel_size=1")
             check_tensor_parallel(cfg, tp.size)
         self.config = cfg
         self.tp = tp
@@ -130,7 +135,12 @@ class LlamaForCausalLM(nn.Module):
         self.gemv_max_tokens = 0
 
     def enable_fused_kernels(self) -> None:
-        """CUDA only: fused projections and the Triton RMSNorm/RoPE/SiLU·mul kernels (model/fused.py)."""
+        """CUDA only: fused projections and the Triton RMSNorm/RoPE/SiLU·mul kernels (model/fused.py).
+
+        NOTE: a mixture-of-experts model keeps the torch forward (moe.py's grouped experts; the attention still runs
+        on the Triton backend): fused.py knows only the dense MLP."""
+        if self.config.num_experts:
+            return
         from services.gpu_worker.model import fused  # imports triton
 
         fused.fuse_projections(self)

@@ -3,7 +3,7 @@
 Adding a family: a file in model/ that declares an `Architecture` (see phi3.py), and a line in ARCHITECTURES."""
 from __future__ import annotations
 
-from services.gpu_worker.model import llama_family, phi3
+from services.gpu_worker.model import llama_family, moe_families, phi3
 from services.gpu_worker.model.architecture import Architecture
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -14,6 +14,8 @@ ARCHITECTURES: dict[str, Architecture] = {
         llama_family.QWEN2,
         llama_family.QWEN3,
         phi3.PHI3,
+        moe_families.MIXTRAL,
+        moe_families.QWEN3_MOE,
     )
 }
 _BY_MODEL_TYPE = {arch.model_type: arch for arch in ARCHITECTURES.values()}

@@ -1,0 +1,88 @@
+"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE): a softmax top-k router over SwiGLU experts, computed in torch.
+
+Tokens are grouped by expert: the T·k (token, expert) pairs are sorted by expert, each expert that was hit runs
+one GEMM pair over its contiguous rows, and the weighted rows are summed back per token (index_add_). The loop is
+over experts, never over tokens. The grouping needs the per-expert counts on the host (one sync per layer), which a
+CUDA graph capture cannot do: under capture every expert runs over all T tokens with a per-token weight that is
+zero where the router did not pick it (the same sum; decode steps are small).
+
+Parameter names follow transformers 5's fused layout, which `moe_families.py` builds from per-expert checkpoints:
+
+    mlp.gate.weight                [E, hidden]          the router
+    mlp.experts.gate_up_proj       [E, 2 I, hidden]     gate rows first, then up
+    mlp.experts.down_proj          [E, hidden, I]
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.gpu_worker.model.config import ModelConfig
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """x: [N, hidden] through expert e's SwiGLU → [N, hidden]."""
+        gate, up = F.linear(x, self.gate_up_proj[e]).split(self.intermediate_size, dim=-1)  # [N, I] each
+        return F.linear(F.silu(gate) * up, self.down_proj[e])
+
+    def forward(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden]; top_ids, top_weights: [T, k] → Σ_j top_weights[t, j] · expert_{top_ids[t, j]}(x[t])."""
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self._dense(x, top_ids, top_weights)
+        return self._grouped(x, top_ids, top_weights)
+
+    def _grouped(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
+        num_experts = self.gate_up_proj.shape[0]
+        k = top_ids.shape[1]
+        flat_ids = top_ids.flatten()  # [T·k]: pair p is token p // k's j = p % k choice
+        order = torch.argsort(flat_ids, stable=True)  # [T·k] pairs grouped by expert
+        tokens = order // k  # [T·k] the token of each sorted pair
+        counts = torch.bincount(flat_ids, minlength=num_experts).tolist()  # host sync: the group sizes
+        rows = x[tokens]  # [T·k, hidden]
+        out_rows = torch.empty_like(rows)
+        start = 0
+        for e, count in enumerate(counts):
+            if count:
+                out_rows[start: start + count] = self.expert(e, rows[start: start + count])
+                start += count
+        out_rows *= top_weights.flatten()[order, None].to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, tokens, out_rows)  # [T, hidden]
+
+    def _dense(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in range(self.gate_up_proj.shape[0]):
+            weight = (top_weights * (top_ids == e)).sum(-1, keepdim=True).to(x.dtype)  # [T, 1]: 0 where not picked
+            out += weight * self.expert(e, x)
+        return out
+
+
+class SparseMoe(nn.Module):
+    """Router + experts: softmax over all experts in fp32, the top k kept (renormalised to sum 1 when
+    cfg.norm_topk_prob), each token's output the weighted sum of its k experts' outputs."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.normalize = cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] → top_ids [T, k] int64, top_weights [T, k] fp32."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, E] fp32
+        top_weights, top_ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
+        return top_ids, top_weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top_ids, top_weights = self.route(x)
+        return self.experts(x, top_ids, top_weights)  # [T, hidden]
