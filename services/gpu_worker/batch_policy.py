@@ -2,7 +2,8 @@
 
 Pure core: no tensors, no clocks (time is passed in). Per step it spends a token budget on every
 running decode first (one token each), then on unfinished prefill chunks, then admits waiting
-sequences, chunking long prompts so they cannot stall decodes. Pages are taken on demand as
+sequences, chunking long prompts so they cannot stall decodes. While sequences wait, long prompt chunks
+leave part of the budget to admission, so a short request is not stuck behind long prompts. Pages are taken on demand as
 sequences grow, never reserved up front for max_tokens. When the pool runs dry it first evicts
 unlocked prefix-cache pages, then preempts the newest running sequence (its KV is recomputed later).
 Eviction runs in batches: a pool that runs dry frees a little more than asked (EVICT_BATCH_FRACTION of
@@ -20,6 +21,7 @@ from services.gpu_worker.sequence import Sequence, SeqStatus
 from shared.hashing import hash_blocks
 
 EVICT_BATCH_FRACTION = 1 / 256  # of the pool's pages, freed beyond the shortfall when eviction runs
+LONG_PREFILL_DIVISOR = 4  # a prompt is long past max_num_batched_tokens / this many tokens left to compute
 
 
 @dataclass
@@ -56,7 +58,8 @@ class Deferred(Enum):
 
 class BatchPolicy:
     def __init__(self, pool: BlockPool, cache: RadixCache, page_size: int,
-                 max_num_batched_tokens: int, max_num_seqs: int, is_chunked_prefill: bool = True) -> None:
+                 max_num_batched_tokens: int, max_num_seqs: int, is_chunked_prefill: bool = True,
+                 min_admit_batch: int = 1, max_admit_delay_steps: int = 0) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         self.pool, self.cache, self.page_size = pool, cache, page_size
@@ -67,6 +70,13 @@ class BatchPolicy:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_evict_batch_pages = int(pool.capacity * EVICT_BATCH_FRACTION)
+        # Admission in batches: a step of decodes alone takes new sequences only once min_admit_batch of them can
+        # start together, or after max_admit_delay_steps steps of waiting (see _defers_admission)
+        self.min_admit_batch, self.max_admit_delay_steps = min_admit_batch, max_admit_delay_steps
+        # A prompt with more than this left to compute is long: while sequences wait, long prompt chunks together take
+        # at most the step budget less this many tokens (see _reserve_for_waiting)
+        self.long_prefill_tokens = max(page_size, max_num_batched_tokens // LONG_PREFILL_DIVISOR)
+        self.num_deferred_steps = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -79,18 +89,55 @@ class BatchPolicy:
     def schedule(self, now: float) -> StepPlan:
         plan = StepPlan()
         budget = self.max_num_batched_tokens
-        decodes_first = sorted(self.running, key=lambda s: s.num_uncomputed > 1)
-        for seq in decodes_first:
+        # decodes, then short prompt chunks, then long ones (a stable sort keeps each group's order)
+        ordered = sorted(self.running, key=lambda s: (s.num_uncomputed > 1, s.num_uncomputed > self.long_prefill_tokens))
+        long_allowance: int | None = None  # set at the first long prompt chunk
+        held_back: list[Sequence] = []  # long prompts cut short for the waiting; they get what admission leaves
+        for seq in ordered:
             if budget == 0:
                 break
             if seq.status is not SeqStatus.RUNNING or seq.stops_when_resolved:
                 continue  # preempted earlier in this loop, or ends with the token still on the device
             num_new = min(seq.num_uncomputed, budget)
+            if self.is_chunked_prefill and seq.num_uncomputed > self.long_prefill_tokens:
+                if long_allowance is None:
+                    long_allowance = budget - self._reserve_for_waiting(budget)
+                if num_new > long_allowance:
+                    num_new = long_allowance
+                    held_back.append(seq)
+                long_allowance -= num_new
+                if num_new == 0:
+                    continue
             if self._reserve_or_preempt(seq, num_new, plan, now):
                 plan.items.append(ScheduledItem(seq, num_new, num_new == seq.num_uncomputed))
                 budget -= num_new
         self._admit_waiting(plan, budget, now)
+        if held_back:
+            self._give_back(plan, held_back)
         return plan
+
+    def _reserve_for_waiting(self, budget: int) -> int:
+        """Tokens of this step that long prompt chunks leave for admitting waiting sequences (issue 31, item 5: a
+        short request behind long prompts starts within a few steps instead of after all of them)."""
+        return min(self.long_prefill_tokens, budget // 2) if self.waiting else 0
+
+    def _give_back(self, plan: StepPlan, held_back: list[Sequence]) -> None:
+        """Budget that admission left unused goes to the long prompt chunks that were cut for it, in order."""
+        budget = self.max_num_batched_tokens - plan.num_tokens
+        items = {id(item.seq): item for item in plan.items}
+        for seq in held_back:
+            if budget == 0 or seq.status is not SeqStatus.RUNNING:
+                break
+            item = items.get(id(seq))
+            num_now = item.num_new_tokens if item is not None else 0
+            num_new = min(seq.num_uncomputed, num_now + budget)
+            if not self._reserve(seq, num_new):
+                break
+            if item is None:
+                item = ScheduledItem(seq, num_new, False)
+                plan.items.append(item)
+            item.num_new_tokens, item.is_sampling = num_new, num_new == seq.num_uncomputed
+            budget -= num_new - num_now
 
     def _admit_waiting(self, plan: StepPlan, budget: int, now: float) -> None:
         """Admit waiting sequences in arrival order while budget, pages and seats last.
@@ -99,6 +146,10 @@ class BatchPolicy:
         (the same system prompt, arriving together) waits, and finds that page in the cache a step
         later instead of computing it a second time.
         """
+        if self._defers_admission(plan):
+            self.num_deferred_steps += 1
+            return
+        self.num_deferred_steps = 0
         in_flight = self._pages_in_flight()
         deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -116,6 +167,20 @@ class BatchPolicy:
             if self.cache.is_enabled:
                 in_flight.update(self._block_hashes(seq)[seq.num_computed // self.page_size:])
         self.waiting.extendleft(reversed(deferred))
+
+    def _defers_admission(self, plan: StepPlan) -> bool:
+        """Whether a step of decodes alone leaves the waiting sequences for a later step.
+
+        A step with a prompt chunk runs eager; one of decodes alone replays a CUDA graph. Admitting one or two
+        sequences each step turns every step eager, so (min_admit_batch > 1) they wait until min_admit_batch of them
+        can start in one step, or for max_admit_delay_steps steps at most. Never when nothing runs or a prompt chunk
+        is in the step already."""
+        if self.min_admit_batch <= 1 or not self.waiting or not plan.items:
+            return False
+        if any(item.num_new_tokens > 1 for item in plan.items):
+            return False
+        num_ready = min(self.max_num_seqs - len(self.running), len(self.waiting))
+        return num_ready < self.min_admit_batch and self.num_deferred_steps < self.max_admit_delay_steps
 
     def _pages_in_flight(self) -> set[int]:
         """Block hashes of full pages that running sequences have yet to compute."""

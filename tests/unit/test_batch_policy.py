@@ -75,7 +75,40 @@ def test_decodes_take_the_budget_before_a_prefill_chunk() -> None:
     assert items_of(plan) == [(0, 1, True), (1, 1, True), (2, 1, True), (3, 1, False)]
     assert list(policy.waiting) == [waiting] and prompt.num_computed == 3
     policy.finish(decodes[0], now=4.0)
-    assert items_of(step(policy, now=5.0)) == [(1, 1, True), (2, 1, True), (3, 2, False)]
+    # a long prompt chunk leaves half of what the decodes left to the waiting sequence
+    assert items_of(step(policy, now=5.0)) == [(1, 1, True), (2, 1, True), (3, 1, False), (4, 1, True)]
+    assert items_of(step(policy, now=6.0)) == [(1, 1, True), (2, 1, True), (4, 1, True), (3, 1, False)]
+
+
+def test_a_short_prompt_behind_long_ones_starts_within_a_few_steps() -> None:
+    """Issue 31, item 5: three long prompts take the whole budget of every step until all are computed; a short
+    request that arrives behind them must not wait for that (it did: 3 × 60 tokens at 16 a step, 12 steps)."""
+    policy = small_policy(num_pages=128, max_num_batched_tokens=16, max_num_seqs=8)
+    longs = [new_seq(i, 60) for i in range(3)]
+    short = new_seq(3, 3)
+    for seq in longs + [short]:
+        policy.add(seq)
+    steps_until_short = None
+    for n in range(1, 20):
+        plan = step(policy, now=float(n))
+        assert plan.num_tokens == 16 or not policy.waiting  # the budget is never left unused while work waits
+        if any(item.seq is short and item.is_sampling for item in plan.items):
+            steps_until_short = n
+            break
+    assert steps_until_short is not None and steps_until_short <= 4
+    assert all(seq.num_computed < seq.num_prompt_tokens for seq in longs)  # they were still prefilling
+
+
+def test_a_long_prompt_alone_still_takes_the_whole_budget() -> None:
+    policy = small_policy(num_pages=64, max_num_batched_tokens=16)
+    long = new_seq(0, 60)
+    policy.add(long)
+    assert items_of(step(policy, now=1.0)) == [(0, 16, False)]
+    assert items_of(step(policy, now=2.0)) == [(0, 16, False)]
+    late = new_seq(1, 30)  # long as well: admission gets its reserve, the running prompt the rest
+    policy.add(late)
+    assert items_of(step(policy, now=3.0)) == [(0, 12, False), (1, 4, False)]
+    assert items_of(step(policy, now=4.0)) == [(0, 16, True)]  # nothing waits: the first long prompt goes first
 
 
 def test_a_dry_pool_preempts_the_newest_running_sequence_and_evicts_its_pages() -> None:
@@ -152,3 +185,28 @@ def test_a_dry_pool_evicts_a_batch_beyond_the_shortfall() -> None:
     assert policy.cache.num_cached_pages == 1020 + 4 - 5
     policy.pool.check_invariants()
     policy.cache.check_invariants()
+
+
+def test_admission_in_batches_waits_for_enough_seats_or_the_delay() -> None:
+    """min_admit_batch: a step of decodes alone (a CUDA graph's step) does not admit one sequence at a time; a
+    step with a prompt chunk in it, or one after max_admit_delay_steps of waiting, does."""
+    policy = small_policy(num_pages=256, max_num_batched_tokens=64, max_num_seqs=4)
+    policy.min_admit_batch, policy.max_admit_delay_steps = 2, 3
+    running = [new_seq(i, 1) for i in range(4)]
+    for seq in running:
+        policy.add(seq)
+    step(policy, now=1.0)
+    late = new_seq(4, 5)
+    policy.add(late)
+    policy.finish(running[0], now=2.0)  # one seat free: fewer than min_admit_batch
+    for n in range(3):
+        plan = step(policy, now=3.0 + n)
+        assert plan.admitted == [] and all(item.num_new_tokens == 1 for item in plan.items)
+    assert step(policy, now=6.0).admitted == [late]  # the delay ran out
+    assert policy.num_deferred_steps == 0
+    a, b = new_seq(5, 5), new_seq(6, 5)
+    policy.add(a)
+    policy.add(b)
+    policy.finish(running[1], now=7.0)
+    policy.finish(running[2], now=7.0)  # two seats and two waiting: admitted at once
+    assert step(policy, now=8.0).admitted == [a, b]
