@@ -1,8 +1,13 @@
-"""Thin ZeroMQ wrappers: typed send/receive of MessagePack frames, size limits, and a pool of PUSH sockets."""
+"""Thin ZeroMQ wrappers: typed send/receive of MessagePack frames, size limits, sends that wait a bounded time,
+and a bounded pool of PUSH sockets."""
 from __future__ import annotations
 
+import asyncio
 import socket
+import time
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
+from enum import Enum
 from typing import Any
 
 import msgspec
@@ -15,6 +20,10 @@ from shared.messages import decode, encode
 log = structlog.get_logger(__name__)
 
 MAX_FRAME_BYTES = 64 << 20  # a larger frame is refused by ZeroMQ before it is read
+MAX_QUEUED_MESSAGES = 100_000  # SNDHWM of PUSH, DEALER and ROUTER sockets: messages queued for one peer
+MAX_PEERS = 256  # PUSH sockets a PushPool keeps open (libzmq refuses a context's 1,024th socket)
+MAX_SEND_WAIT_S = 1.0  # how long a PushPool send waits for room in a full peer's queue
+_RETRY_FIRST_S, _RETRY_MAX_S = 0.001, 0.05  # pauses between the tries of a bounded send
 _context: zmq.asyncio.Context | None = None
 
 
@@ -43,7 +52,7 @@ def bind(kind: int, addr: str) -> zmq.asyncio.Socket:
     """
     sock = _socket(kind)
     if kind == zmq.ROUTER:
-        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.setsockopt(zmq.SNDHWM, MAX_QUEUED_MESSAGES)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     sock.bind(addr)
     return sock
@@ -54,7 +63,7 @@ def connect(kind: int, addr: str, identity: bytes | None = None) -> zmq.asyncio.
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
     if kind in (zmq.PUSH, zmq.DEALER):
-        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.setsockopt(zmq.SNDHWM, MAX_QUEUED_MESSAGES)
     sock.connect(addr)
     return sock
 
@@ -63,15 +72,58 @@ def bound_addr(sock: zmq.asyncio.Socket) -> str:
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
-async def send(sock: zmq.asyncio.Socket, msg: msgspec.Struct, identity: bytes | None = None) -> None:
-    """Send msg; with identity (a ROUTER), a peer that is not connected (any more) gets nothing, logged."""
+class DropReason(str, Enum):
+    """Why a send gave a message up."""
+
+    INVALID_ADDRESS = "invalid_address"  # ZeroMQ refused to connect to it (a peer's garbage reply_addr)
+    NO_SOCKET = "no_socket"  # no socket could be made (libzmq's socket cap, or the process's file limit)
+    PEER_FULL = "peer_full"  # the peer's queue stayed full for the whole wait: it does not read
+    UNREACHABLE = "unreachable"  # ROUTER: the peer is not connected (any more)
+
+
+async def send(sock: zmq.asyncio.Socket, msg: msgspec.Struct, identity: bytes | None = None,
+               max_wait_s: float | None = None) -> DropReason | None:
+    """Send msg; None once ZeroMQ queued it, else why it was dropped.
+
+    max_wait_s=None waits for room in the peer's queue as long as it takes (for a caller that bounds the wait
+    itself); a number gives up after that long, so a peer that never reads cannot hold the caller (0: never wait):
+    PEER_FULL, for the caller to count and log (once per peer, not once per message).
+    With identity (a ROUTER), a peer that is not connected (any more) gets nothing: UNREACHABLE, logged.
+    """
     frames = [identity, encode(msg)] if identity is not None else [encode(msg)]
     try:
-        await sock.send_multipart(frames)
+        if max_wait_s is None:
+            await sock.send_multipart(frames)
+        elif not await _send_bounded(sock, frames, max_wait_s):
+            return DropReason.PEER_FULL
     except zmq.ZMQError as exc:
         if identity is None or exc.errno != zmq.EHOSTUNREACH:
             raise
         log.warning("dropped message to a peer that is not connected", peer=identity[:64], message=type(msg).__name__)
+        return DropReason.UNREACHABLE
+    return None
+
+
+async def _send_bounded(sock: zmq.asyncio.Socket, frames: list[bytes], max_wait_s: float) -> bool:
+    """Send frames without blocking; while the peer's queue is full, try again after growing pauses until
+    max_wait_s has passed (False) or the socket was closed meanwhile (False).
+
+    NOTE: only non-blocking tries, never a pending send future: such a future would wait past max_wait_s, and
+    closing the socket under it would cancel its caller.
+    """
+    deadline_s = time.monotonic() + max_wait_s
+    pause_s = _RETRY_FIRST_S
+    while not sock.closed:
+        try:
+            await sock.send_multipart(frames, flags=zmq.DONTWAIT)
+            return True
+        except zmq.Again:
+            remaining_s = deadline_s - time.monotonic()
+            if remaining_s <= 0:
+                return False
+            await asyncio.sleep(min(pause_s, remaining_s))
+            pause_s = min(pause_s * 2, _RETRY_MAX_S)
+    return False
 
 
 Handler = Callable[[Any, bytes | None], Awaitable[None]]
@@ -99,26 +151,73 @@ async def receive_forever(sock: zmq.asyncio.Socket, accepts: Any, handle: Handle
 
 
 class PushPool:
-    """One PUSH socket per peer address, made on first use (a worker replying to many tokenizers)."""
+    """PUSH sockets to peer addresses (a worker replying to many tokenizers), made on first use, at most
+    max_peers of them: the least recently used is closed past that.
 
-    def __init__(self) -> None:
-        self._sockets: dict[str, zmq.asyncio.Socket] = {}
+    A send never blocks its caller for long: when a peer's queue is full (MAX_QUEUED_MESSAGES unread), it waits at
+    most max_wait_s for room, then drops the message and forgets the peer (its socket closed, its queue discarded).
+    An address forgotten so is remembered: once its new queue fills up too, the send drops at once, without waiting.
+    num_dropped counts the messages given up, by DropReason; num_forgotten the peers forgotten for not reading.
 
-    async def send(self, addr: str, msg: msgspec.Struct) -> None:
-        """Send msg to addr; an address ZeroMQ refuses (a peer's garbage reply_addr) drops msg, logged."""
+    NOTE: a socket closed (evicted or forgotten) discards what it still held: linger 0, so that closed sockets
+    never pile up towards libzmq's cap.
+    """
+
+    def __init__(self, max_peers: int = MAX_PEERS, max_wait_s: float = MAX_SEND_WAIT_S) -> None:
+        self.max_peers, self.max_wait_s = max_peers, max_wait_s
+        self._sockets: OrderedDict[str, zmq.asyncio.Socket] = OrderedDict()  # least recently used first
+        self._undrained: OrderedDict[str, None] = OrderedDict()  # addresses forgotten for not reading
+        self.num_dropped: Counter[DropReason] = Counter()
+        self.num_forgotten = 0
+
+    def __len__(self) -> int:
+        return len(self._sockets)
+
+    async def send(self, addr: str, msg: msgspec.Struct) -> DropReason | None:
+        """Send msg to addr; None once queued, else why it was dropped (logged)."""
         sock = self._sockets.get(addr)
         if sock is None:
+            sock = self._open(addr, msg)
+            if isinstance(sock, DropReason):
+                return self._dropped(sock)
+        self._sockets.move_to_end(addr)
+        max_wait_s = 0.0 if addr in self._undrained else self.max_wait_s
+        if await _send_bounded(sock, [encode(msg)], max_wait_s):
+            return None
+        if self._sockets.get(addr) is sock:  # NOTE: not already forgotten by a concurrent send
+            self.drop(addr)
+            self.num_forgotten += 1
+            self._undrained[addr] = None
+            self._undrained.move_to_end(addr)
+            if len(self._undrained) > self.max_peers:
+                self._undrained.popitem(last=False)
+            log.warning("dropped message to a peer that does not read; forgot it", addr=addr[:200],
+                        message=type(msg).__name__, wait_s=max_wait_s, num_forgotten=self.num_forgotten,
+                        num_dropped=sum(self.num_dropped.values()) + 1)
+        return self._dropped(DropReason.PEER_FULL)
+
+    def _open(self, addr: str, msg: msgspec.Struct) -> zmq.asyncio.Socket | DropReason:
+        """A PUSH connected to addr, the least recently used socket closed if the pool is full; or why none."""
+        while len(self._sockets) >= self.max_peers:
+            self.drop(next(iter(self._sockets)))
+        sock = None
+        try:
             sock = _socket(zmq.PUSH)
-            try:
-                sock.setsockopt(zmq.SNDHWM, 100_000)
-                sock.connect(addr)
-            except zmq.ZMQError as exc:
+            sock.setsockopt(zmq.SNDHWM, MAX_QUEUED_MESSAGES)
+            sock.connect(addr)
+        except zmq.ZMQError as exc:
+            if sock is not None:
                 sock.close(linger=0)
-                log.warning("dropped message to an invalid address", addr=addr[:200], error=str(exc)[:200],
-                            message=type(msg).__name__)
-                return
-            self._sockets[addr] = sock
-        await send(sock, msg)
+            reason = DropReason.NO_SOCKET if sock is None else DropReason.INVALID_ADDRESS
+            log.warning("dropped message: no socket to its address", reason=reason.value, addr=addr[:200],
+                        error=str(exc)[:200], message=type(msg).__name__, num_sockets=len(self._sockets))
+            return reason
+        self._sockets[addr] = sock
+        return sock
+
+    def _dropped(self, reason: DropReason) -> DropReason:
+        self.num_dropped[reason] += 1
+        return reason
 
     def drop(self, addr: str) -> None:
         sock = self._sockets.pop(addr, None)

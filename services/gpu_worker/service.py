@@ -44,6 +44,8 @@ class WorkerService(Actor):
         self.engine_loop: EngineLoop | None = None
         self._pull: zmq.asyncio.Socket | None = None
         self._dealers: list[zmq.asyncio.Socket] = []
+        self._stalled_dealers: set[int] = set()  # indexes of schedulers whose queue was full at the last send
+        self._num_dropped = 0  # messages to schedulers given up (PushPool counts its own)
         self._pushes = transport.PushPool()
         self._outbox: asyncio.Queue[list[Envelope]] = asyncio.Queue()
         self._worker_addr = config.worker_addr
@@ -166,8 +168,20 @@ class WorkerService(Actor):
                 await self._pushes.send(addr, msg)
 
     async def _to_schedulers(self, msg: msgspec.Struct) -> None:
-        for dealer in self._dealers:
-            await transport.send(dealer, msg)
+        """NOTE: a scheduler whose queue is full (it reads nothing) holds the send path MAX_SEND_WAIT_S once, then
+        its messages are dropped without waiting until one fits again: never the send path for good."""
+        for index, dealer in enumerate(self._dealers):
+            is_stalled = index in self._stalled_dealers
+            dropped = await transport.send(dealer, msg, max_wait_s=0.0 if is_stalled else transport.MAX_SEND_WAIT_S)
+            if dropped is None:
+                self._stalled_dealers.discard(index)
+                continue
+            self._num_dropped += 1
+            if not is_stalled:
+                self._stalled_dealers.add(index)
+                log.warning("a scheduler reads nothing: dropping its messages until it does",
+                            scheduler_addr=self.config.scheduler_addr_list[index], message=type(msg).__name__,
+                            num_dropped=self._num_dropped + sum(self._pushes.num_dropped.values()))
 
     async def _heartbeat(self) -> None:
         engine = self.engine_loop.engine

@@ -73,6 +73,17 @@ def _buckets(histogram: HistogramCounts) -> tuple[list[tuple[str, float]], float
     return list(zip(bounds, accumulate(histogram.counts))), histogram.sum
 
 
+class _CounterFunction:
+    def __init__(self, name: str, help_text: str, label: str, read: Callable[[], dict[str, float]]) -> None:
+        self._name, self._help, self._label, self._read = name, help_text, label, read
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self._name, self._help, labels=[self._label])
+        for value, count in sorted(self._read().items()):
+            family.add_metric([value], count)
+        yield family
+
+
 class SchedulerMetrics:
     """One registry per scheduler process (not the global default, so tests can build several)."""
 
@@ -95,6 +106,10 @@ class SchedulerMetrics:
 
     def gauge(self, name: str, help_text: str, read: Callable[[], float]) -> None:
         prom.Gauge(name, help_text, registry=self.registry).set_function(read)
+
+    def counters(self, name: str, help_text: str, label: str, read: Callable[[], dict[str, float]]) -> None:
+        """A counter family whose values read() gives, by label value, at each scrape."""
+        self.registry.register(_CounterFunction(name, help_text, label, read))
 
     def on_routed(self, decision: Decision, num_blocks: int) -> None:
         self.decisions.labels(self.policy, decision.reason.value).inc()

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import time
 import uuid
+from collections import Counter
 
 import msgspec
 import redis.asyncio as aioredis
@@ -62,6 +63,10 @@ class SchedulerService(Actor):
         self._metrics_runner = None
         self._router: zmq.asyncio.Socket | None = None
         self._pushes = transport.PushPool()
+        self._num_reply_drops: Counter[transport.DropReason] = Counter()
+        self.metrics.counters("radixserve_scheduler_dropped_messages",
+                              "messages to peers given up: an invalid address, no socket, a peer that reads "
+                              "nothing (its queue full), a peer not connected", "reason", self._dropped_messages)
         self._redis: aioredis.Redis | None = None
         self._redis_paused_until_s = 0.0  # monotonic; lookups skipped before it (after an error)
         self._handlers = {TokenizedRequest: self._on_request, AbortRequest: self._on_abort,
@@ -268,10 +273,22 @@ class SchedulerService(Actor):
         reply = StatusReply(model_ids=self.registry.model_ids(), num_workers=len(self.registry),
                             num_queued=len(self.queue), num_in_flight=len(self.inflight),
                             incarnation=self.incarnation)
-        await transport.send(self._router, reply, identity)
+        await self._reply(reply, identity)
 
     async def _on_metrics(self, msg: MetricsRequest, identity: bytes | None) -> None:
-        await transport.send(self._router, MetricsReply(msg.request_id, self.metrics.render()), identity)
+        await self._reply(MetricsReply(msg.request_id, self.metrics.render()), identity)
+
+    async def _reply(self, msg: StatusReply | MetricsReply, identity: bytes | None) -> None:
+        """Answer on the ROUTER without waiting: a peer with a full queue (it reads none of its replies) gets
+        nothing, counted, rather than the receive loop waiting on it."""
+        dropped = await transport.send(self._router, msg, identity, max_wait_s=0.0)
+        if dropped is not None:
+            self._num_reply_drops[dropped] += 1
+
+    def _dropped_messages(self) -> dict[str, float]:
+        """Messages given up, by reason: replies on the ROUTER and sends to workers and tokenizers."""
+        return {reason.value: self._num_reply_drops[reason] + self._pushes.num_dropped[reason]
+                for reason in transport.DropReason}
 
     def _live_engine_metrics(self) -> list[tuple[str, EngineMetrics]]:
         """(worker_id, latest EngineMetrics) of each worker in the registry; forgets the workers that left it."""

@@ -169,6 +169,16 @@ def scheduler_status(addr: str, timeout_s: float = 2.0) -> StatusReply | None:
         sock.close()
 
 
+def zmq_socket(ctx: zmq.Context, kind: int, addr: str, bind: bool = False, rcvhwm: int = 1000) -> zmq.Socket:
+    """A test's socket bound or connected at addr; it queues without limit what it sends."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, rcvhwm)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.bind(addr) if bind else sock.connect(addr)
+    return sock
+
+
 def http_status(url: str, timeout_s: float = 2.0) -> int:
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as resp:
