@@ -12,7 +12,7 @@ import transformers
 from services.gpu_worker.model.llama import LlamaForCausalLM
 from services.gpu_worker.model.loader import LoadedModel, config_from_hf, load_model
 from services.gpu_worker.model.moe import Experts
-from tests.unit.hf_checkpoints import engine_tokens, hf_generate, random_prompts
+from tests.unit.hf_checkpoints import engine_tokens, greedy_both_ways, hf_generate, random_prompts, save_checkpoint
 from tests.unit.step_modes import step_mode  # noqa: F401 - step_mode: autouse, both modes
 
 _COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -31,10 +31,7 @@ def _checkpoint(root: str, family: str) -> tuple[Path, transformers.PreTrainedMo
     """A tiny random model of the family, saved as transformers saves it (one tensor per expert)."""
     config_class, model_class, extra = TINY[family]
     torch.manual_seed(0)
-    model = model_class(config_class(**_COMMON, **extra)).eval()
-    path = Path(root) / f"tiny-{family}"
-    model.save_pretrained(path, safe_serialization=True)
-    return path, model
+    return save_checkpoint(model_class(config_class(**_COMMON, **extra)), root, f"tiny-{family}")
 
 
 @pytest.fixture(scope="module", params=list(TINY))
@@ -44,11 +41,8 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 @pytest.mark.parametrize("max_num_batched_tokens", [None, 7])
 def test_greedy_equals_transformers_generate(checkpoint, max_num_batched_tokens: int | None) -> None:
-    path, hf = checkpoint
-    prompts = random_prompts(_COMMON["vocab_size"])
-    overrides = {} if max_num_batched_tokens is None else {"max_num_batched_tokens": max_num_batched_tokens}
-    got = engine_tokens(load_model(str(path)), prompts, **overrides)
-    assert got == [hf_generate(hf, p) for p in prompts]
+    got, want = greedy_both_ways(*checkpoint, _COMMON["vocab_size"], max_num_batched_tokens)
+    assert got == want
 
 
 def test_experts_are_stacked_on_load(checkpoint) -> None:

@@ -12,7 +12,7 @@ import transformers
 
 from services.gpu_worker.model.loader import LoadedModel, config_from_hf, load_model
 from services.gpu_worker.model.phi3 import checkpoint_shapes
-from tests.unit.hf_checkpoints import engine_tokens, hf_generate, random_prompts
+from tests.unit.hf_checkpoints import engine_tokens, greedy_both_ways, hf_generate, random_prompts, save_checkpoint
 from tests.unit.step_modes import step_mode  # noqa: F401 - step_mode: autouse, both modes
 
 TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -24,10 +24,7 @@ TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_lay
 def _checkpoint(root: str) -> tuple[Path, transformers.PreTrainedModel]:
     """A tiny random Phi-3, saved as transformers saves it (safetensors with fused qkv_proj and gate_up_proj)."""
     torch.manual_seed(0)
-    model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**TINY)).eval()
-    path = Path(root) / "tiny-phi3"
-    model.save_pretrained(path, safe_serialization=True)
-    return path, model
+    return save_checkpoint(transformers.Phi3ForCausalLM(transformers.Phi3Config(**TINY)), root, "tiny-phi3")
 
 
 @pytest.fixture(scope="module")
@@ -59,11 +56,8 @@ def test_checkpoint_is_fused_and_split_on_load(checkpoint) -> None:
 
 @pytest.mark.parametrize("max_num_batched_tokens", [None, 7])
 def test_greedy_equals_transformers_generate(checkpoint, max_num_batched_tokens: int | None) -> None:
-    path, hf = checkpoint
-    prompts = random_prompts(TINY["vocab_size"])
-    overrides = {} if max_num_batched_tokens is None else {"max_num_batched_tokens": max_num_batched_tokens}
-    got = engine_tokens(load_model(str(path)), prompts, **overrides)
-    assert got == [hf_generate(hf, p) for p in prompts]
+    got, want = greedy_both_ways(*checkpoint, TINY["vocab_size"], max_num_batched_tokens)
+    assert got == want
 
 
 def test_a_wrong_split_order_breaks_exactness(checkpoint) -> None:

@@ -48,6 +48,24 @@ class AttentionMetadata:
         return n
 
 
+@dataclass(frozen=True)
+class LayerAttention:
+    """What one layer's attention asks beyond the default (scale 1/sqrt(head_dim), no soft-cap, no window): Gemma 2.
+
+    A query at position i attends to keys j ≤ i, and with a window only to i - sliding_window < j ≤ i."""
+
+    scale: float | None = None  # None: head_dim ** -0.5
+    softcap: float | None = None  # logits → softcap · tanh(logits / softcap), before the mask
+    sliding_window: int | None = None  # how many positions (its own included) a query sees; None: all
+
+    @property
+    def is_default(self) -> bool:
+        return self == DEFAULT_ATTENTION
+
+
+DEFAULT_ATTENTION = LayerAttention()
+
+
 class AttentionBackend(ABC):
     """Writes the new K/V into the paged cache, then attends each new query to its sequence."""
 
@@ -55,5 +73,5 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KVH, D] → [T, H, D]."""
+                cache: KVCache, meta: AttentionMetadata, spec: LayerAttention = DEFAULT_ATTENTION) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D] → [T, H, D]. spec: the layer's scale, soft-cap and window."""

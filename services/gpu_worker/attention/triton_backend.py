@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from services.gpu_worker.attention.base import AttentionBackend, AttentionMetadata
+from services.gpu_worker.attention.base import DEFAULT_ATTENTION, AttentionBackend, AttentionMetadata, LayerAttention
 from services.gpu_worker.kernels.decode_attention import decode_attention, decode_attention_rope, num_splits_for
 from services.gpu_worker.kernels.extend_attention import extend_attention
 from services.gpu_worker.kernels.kv_write import kv_write
@@ -34,7 +34,9 @@ class TritonAttention(AttentionBackend):
                                    if torch.cuda.is_available() else 1)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+                cache: KVCache, meta: AttentionMetadata, spec: LayerAttention = DEFAULT_ATTENTION) -> torch.Tensor:
+        if not spec.is_default:  # NOTE: the kernels have no soft-cap, window or other scale; models refuse earlier
+            raise NotImplementedError(f"the Triton attention backend cannot compute {spec}; use the torch backend")
         k_cache, v_cache = cache.k[layer], cache.v[layer]  # [P, S, KVH, D]
         kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
         return self._attend(q, k_cache, v_cache, meta)

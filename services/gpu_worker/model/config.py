@@ -23,7 +23,8 @@ class ModelConfig:
 
     Covers Llama 2/3 (`rope_scaling`), Mistral, Qwen2 (`attention_bias`), Qwen3 (`qk_norm`), SmolLM2
     (`tie_word_embeddings`), Phi-3 (fused checkpoint tensors, split on load: model/phi3.py) and the
-    mixture-of-experts Mixtral and Qwen3-MoE (`num_experts` > 0: model/moe.py, model/moe_families.py).
+    mixture-of-experts Mixtral and Qwen3-MoE (`num_experts` > 0: model/moe.py, model/moe_families.py); Gemma 2
+    (model/gemma2.py) adds soft-capping, its attention scale and sliding-window layers.
     """
 
     arch: str  # a registered model_type (model/registry.py): "llama" | "mistral" | "qwen2" | "qwen3" | "phi3" | ...
@@ -46,6 +47,11 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # each expert's SwiGLU width (intermediate_size: the dense layers')
     norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1 (Mixtral: always)
     dense_mlp_layers: tuple[int, ...] = ()  # MoE models: layers that keep a dense MLP (Qwen3-MoE mlp_only_layers)
+    query_pre_attn_scalar: float | None = None  # Gemma 2: attention scale query_pre_attn_scalar ** -0.5
+    attn_logit_softcapping: float | None = None  # Gemma 2: attention logits → cap · tanh(logits / cap)
+    final_logit_softcapping: float | None = None  # Gemma 2: the LM head's logits likewise
+    sliding_window: int | None = None  # the window of the layers in sliding_window_layers (positions, own included)
+    sliding_window_layers: tuple[int, ...] = ()  # Gemma 2: the local (sliding-window) layers
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     model_id: str = ""  # salts the block hashes; names the model in the API

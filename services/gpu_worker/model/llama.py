@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.gpu_worker.attention.base import AttentionBackend, AttentionMetadata
+from services.gpu_worker.attention.base import DEFAULT_ATTENTION, AttentionBackend, AttentionMetadata
 from services.gpu_worker.kv_cache import KVCache
 from services.gpu_worker.model.config import ModelConfig
 from services.gpu_worker.model.moe import SparseMoe
@@ -47,6 +47,7 @@ class Attention(nn.Module):
         self.num_heads = cfg.num_heads // tp_size  # this rank's query heads
         self.num_kv_heads = cfg.num_kv_heads // tp_size  # this rank's kv heads (its KV cache holds only these)
         self.head_dim = cfg.head_dim
+        self.spec = DEFAULT_ATTENTION  # the layer's scale, soft-cap and window (a family may set its own: gemma2.py)
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * cfg.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * cfg.head_dim, bias=bias)
@@ -65,7 +66,7 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = backend.forward(self.layer, q, k, v, cache, meta)  # [T, H, D]
+        out = backend.forward(self.layer, q, k, v, cache, meta, self.spec)  # [T, H, D]
         out = self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))  # [T, hidden]
         return out if self.tp is None else self.tp.all_reduce(out)  # TP: the sum of every rank's heads
 
@@ -113,6 +114,8 @@ class LlamaForCausalLM(nn.Module):
     model's; the attention and MLP modules carry this rank's head and intermediate counts.
     """
 
+    stack_class: type[nn.Module] = DecoderStack  # embed_tokens, layers, norm (a family's own blocks: gemma2.py)
+
     def __init__(self, cfg: ModelConfig, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         if tp is not None:
@@ -124,7 +127,7 @@ class LlamaForCausalLM(nn.Module):
             check_tensor_parallel(cfg, tp.size)
         self.config = cfg
         self.tp = tp
-        self.model = DecoderStack(cfg, tp)
+        self.model = self.stack_class(cfg, tp)
         if not cfg.tie_word_embeddings:  # replicated under TP: every rank computes the full logits
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
@@ -161,11 +164,15 @@ class LlamaForCausalLM(nn.Module):
             return fused.forward(self, input_ids, positions, cache, meta, backend, fed)
         if fed is not None:
             input_ids = torch.where(fed[0] >= 0, fed[1][fed[0].clamp_min(0).long()], input_ids.long())
-        h = self.model.embed_tokens(input_ids)  # [T, hidden]
+        h = self.embed(input_ids)  # [T, hidden]
         cos, sin = cos_sin(positions, self.inv_freq, h.dtype)  # [T, D]
         for layer in self.model.layers:
             h = layer(h, cos, sin, cache, meta, backend)
         return self.model.norm(h)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [T] → [T, hidden]: the embedding rows (a family may scale them: gemma2.py)."""
+        return self.model.embed_tokens(input_ids)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
 Adding a family: a file in model/ that declares an `Architecture` (see phi3.py), and a line in ARCHITECTURES."""
 from __future__ import annotations
 
-from services.gpu_worker.model import llama_family, moe_families, phi3
+from services.gpu_worker.model import gemma2, llama_family, moe_families, phi3
 from services.gpu_worker.model.architecture import Architecture
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -16,6 +16,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         phi3.PHI3,
         moe_families.MIXTRAL,
         moe_families.QWEN3_MOE,
+        gemma2.GEMMA2,
     )
 }
 _BY_MODEL_TYPE = {arch.model_type: arch for arch in ARCHITECTURES.values()}

@@ -1,0 +1,116 @@
+"""Gemma 2 from a tiny transformers checkpoint: greedy tokens and their log-probabilities equal transformers' fp32
+generate(), and each of its features (attention and final soft-capping, sliding window, query_pre_attn_scalar) is
+needed for that; the config mapping; the CUDA path refuses the model."""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from services.gpu_worker.engine import Engine
+from services.gpu_worker.engine_config import EngineConfig
+from services.gpu_worker.model.gemma2 import Gemma2ForCausalLM
+from services.gpu_worker.model.loader import LoadedModel, config_from_hf, load_model
+from services.gpu_worker.request import SamplingParams
+from tests.unit.hf_checkpoints import NUM_NEW, greedy_both_ways, random_prompts, save_checkpoint
+from tests.unit.step_modes import MODE, step_mode  # noqa: F401 - step_mode: autouse, both modes
+
+# strong caps and a window of 8 (prompts reach 40 tokens), so every feature shows in the outputs
+TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, bos_token_id=2, eos_token_id=1,
+            pad_token_id=0, initializer_range=0.1, sliding_window=8, query_pre_attn_scalar=24,
+            attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+
+
+@functools.cache
+def _checkpoint(root: str) -> tuple[Path, transformers.PreTrainedModel]:
+    """A tiny random Gemma 2 (norm weights drawn too: transformers initialises them to 0, i.e. a gain of 1)."""
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**TINY)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0, 0.3)
+    return save_checkpoint(model, root, "tiny-gemma2")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, transformers.PreTrainedModel]:
+    return _checkpoint(str(tmp_path_factory.mktemp("gemma2")))
+
+
+@torch.inference_mode()
+def _hf_logprobs(model: transformers.PreTrainedModel, prompt: list[int]) -> list[float]:
+    """The log-probability of each greedy token under transformers' (soft-capped) logits."""
+    gen = transformers.GenerationConfig(max_new_tokens=NUM_NEW, do_sample=False, eos_token_id=None, pad_token_id=0,
+                                        output_logits=True, return_dict_in_generate=True)
+    out = model.generate(torch.tensor([prompt]), generation_config=gen)
+    tokens = out.sequences[0, len(prompt):]
+    return [torch.log_softmax(step[0].float(), -1)[tok].item() for step, tok in zip(out.logits, tokens)]
+
+
+def _engine_logprobs(loaded: LoadedModel, prompts: list[list[int]]) -> list[list[float]]:
+    settings = EngineConfig(model=loaded.source_dir, device="cpu", dtype="float32", num_pages=256, page_size=4,
+                            enable_overlap=MODE["overlap"])
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True, logprobs=0)
+    results = Engine(settings, loaded=loaded).generate(prompts, params)
+    return [[lp.logprob for lp in r.samples[0].logprobs] for r in results]
+
+
+@pytest.mark.parametrize("max_num_batched_tokens", [None, 7])
+def test_greedy_equals_transformers_generate(checkpoint, max_num_batched_tokens: int | None) -> None:
+    got, want = greedy_both_ways(*checkpoint, TINY["vocab_size"], max_num_batched_tokens)
+    assert got == want
+
+
+FEATURES_OFF = {
+    "exact": {},
+    "attention soft-cap": {"attn_logit_softcapping": None},
+    "final soft-cap": {"final_logit_softcapping": None},
+    "sliding window": {"sliding_window_layers": ()},
+    "query_pre_attn_scalar": {"query_pre_attn_scalar": 16.0},  # head_dim: the default scale
+}
+
+
+@pytest.mark.parametrize("off", list(FEATURES_OFF))
+def test_logprobs_equal_transformers_only_with_every_feature(checkpoint, off: str) -> None:
+    """The chosen tokens' log-probabilities match transformers' to 1e-4; without any one feature they do not
+    (final soft-capping never changes the greedy token, only the probabilities)."""
+    path, hf = checkpoint
+    loaded = load_model(str(path))
+    loaded = LoadedModel(loaded.config.with_(**FEATURES_OFF[off]), loaded.state_dict, None, loaded.source_dir)
+    prompts = random_prompts(TINY["vocab_size"], num=3)
+    got = torch.tensor([lp for row in _engine_logprobs(loaded, prompts) for lp in row])
+    want = torch.tensor([lp for p in prompts for lp in _hf_logprobs(hf, p)])
+    worst = (got - want).abs().max().item()
+    assert worst < 1e-4 if off == "exact" else worst > 1e-2
+
+
+def test_config_mapping() -> None:
+    minimal = {k: TINY[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads")}
+    cfg = config_from_hf({**minimal, "architectures": ["Gemma2ForCausalLM"], "num_hidden_layers": 5}, "m")
+    assert cfg.arch == "gemma2" and cfg.sliding_window_layers == (0, 2, 4)  # transformers' default layer_types
+    assert (cfg.sliding_window, cfg.query_pre_attn_scalar, cfg.head_dim, cfg.num_kv_heads) == (4096, 256.0, 256, 4)
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping, cfg.tie_word_embeddings) == (50.0, 30.0, True)
+    assert (cfg.bos_token_id, cfg.eos_token_ids, cfg.rms_norm_eps) == (2, (1,), 1e-6)
+    types = ["full_attention", "sliding_attention", "sliding_attention"]
+    custom = config_from_hf({**TINY, "architectures": ["Gemma2ForCausalLM"], "layer_types": types,
+                             "final_logit_softcapping": None}, "m")
+    assert custom.sliding_window_layers == (1, 2) and custom.final_logit_softcapping is None
+    with pytest.raises(ValueError, match="Gemma 2: unsupported hidden_activation 'gelu'"):
+        config_from_hf({**TINY, "architectures": ["Gemma2ForCausalLM"], "hidden_activation": "gelu"}, "m")
+
+
+def test_the_triton_path_and_tensor_parallel_are_refused() -> None:
+    cfg = config_from_hf({**TINY, "architectures": ["Gemma2ForCausalLM"]}, "m")
+    with pytest.raises(ValueError, match="Gemma 2 needs attention soft-capping and sliding-window layers"):
+        Gemma2ForCausalLM(cfg).enable_fused_kernels()
+
+    class Group:
+        size, rank = 2, 0
+
+    with pytest.raises(ValueError, match="Gemma 2 does not run tensor parallel yet"):
+        Gemma2ForCausalLM(cfg, Group())
