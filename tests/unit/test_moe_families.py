@@ -62,6 +62,18 @@ def test_experts_are_stacked_on_load(checkpoint) -> None:
         assert torch.equal(sd["model.layers.1.mlp.up_proj.weight"], hf_sd["model.layers.1.mlp.up_proj.weight"])
 
 
+def test_a_checkpoint_in_the_fused_layout_loads_as_it_is(checkpoint, tmp_path: Path) -> None:
+    """transformers 5's in-memory state dict (experts fused, Mixtral's block_sparse_moe renamed mlp) saved as is."""
+    from safetensors.torch import save_file
+
+    path, hf = checkpoint
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    save_file({n: t.contiguous() for n, t in hf.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    fused, per_expert = load_model(str(tmp_path)).state_dict, load_model(str(path)).state_dict
+    assert any(n.endswith("mlp.experts.gate_up_proj") for n in hf.state_dict())
+    assert fused.keys() == per_expert.keys() and all(torch.equal(fused[n], per_expert[n]) for n in fused)
+
+
 def test_router_normalisation_is_needed(checkpoint) -> None:
     """The family's top-k normalisation switched off: no longer transformers' tokens."""
     path, hf = checkpoint

@@ -31,3 +31,6 @@ class Architecture:
     to_model_weights: Callable[[dict[str, torch.Tensor], ModelConfig], dict[str, torch.Tensor]]
     model_class: type[nn.Module]  # model_class(cfg, tp) with load_weights(state_dict), forward, logits
     config_to_hf: Callable[[ModelConfig], dict] | None = None  # config.json writer (bundled cache, test references)
+    # a checkpoint may also hold the model's own names and layout (loader.param_shapes): read as it is, no mapping
+    # (MoE: transformers 5's in-memory fused experts, gate_up_proj [E, 2 I, hidden], as some converters save them)
+    accepts_model_layout: bool = False

@@ -134,7 +134,10 @@ def load_hf_dir(
     arch = architecture_for_hf(cfg_dict)
     cfg = arch.config_from_hf(cfg_dict, model_id or model_id_for(path))
     cfg = cfg.with_(eos_token_ids=_merged_eos(cfg.eos_token_ids, path))
-    state_dict = arch.to_model_weights(_read_safetensors(path, arch.checkpoint_shapes(cfg), dtype, device), cfg)
+    if arch.accepts_model_layout and param_shapes(cfg).keys() <= _tensor_names(path):
+        state_dict = _read_safetensors(path, param_shapes(cfg), dtype, device)
+    else:
+        state_dict = arch.to_model_weights(_read_safetensors(path, arch.checkpoint_shapes(cfg), dtype, device), cfg)
     _check_shapes(state_dict, param_shapes(cfg), str(path))
     has_tokenizer = any((path / f).is_file() for f in _TOKENIZER_FILES)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path) if has_tokenizer else None
@@ -148,6 +151,16 @@ def _merged_eos(eos: tuple[int, ...], path: Path) -> tuple[int, ...]:
     extra = json.loads(gen_path.read_text()).get("eos_token_id")
     extra = extra if isinstance(extra, list) else ([] if extra is None else [extra])
     return eos + tuple(int(e) for e in extra if e not in eos)
+
+
+def _tensor_names(path: Path) -> set[str]:
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for file in path.glob("*.safetensors"):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            names.update(f.keys())
+    return names
 
 
 def _read_safetensors(

@@ -10,7 +10,7 @@ Their checkpoints hold one tensor per expert (what the released models and trans
     Qwen3-MoE  model.layers.N.mlp.gate.weight, model.layers.N.mlp.experts.X.{gate,up,down}_proj.weight
 
 `stack_experts` stacks them into the model's fused layout (moe.py): gate_up_proj [E, 2 I, hidden], down_proj
-[E, hidden, I]. Routing: Mixtral always renormalises its top-k probabilities; Qwen3-MoE when `norm_topk_prob`.
+[E, hidden, I]. A checkpoint already in that layout (transformers 5's in-memory names) loads as it is. Routing: Mixtral always renormalises its top-k probabilities; Qwen3-MoE when `norm_topk_prob`.
 """
 from __future__ import annotations
 
@@ -117,6 +117,7 @@ def _entry(hf_name: str, model_type: str) -> Architecture:
         checkpoint_shapes=partial(checkpoint_shapes, model_type),
         to_model_weights=partial(stack_experts, model_type),
         model_class=LlamaForCausalLM,
+        accepts_model_layout=True,
     )
 
 
