@@ -17,13 +17,15 @@ from pathlib import Path
 
 from services.gpu_worker.config import WorkerConfig
 from services.scheduler.config import SchedulerConfig
+from services.tokenizer.config import TokenizerConfig
 from shared.config import config_argument
 
 # Flags serve declares from the services' own config fields (their defaults, choices, help and checks) and passes
 # on unchanged to each child of that service.
 WORKER_FIELDS = ("model", "dtype", "num_pages", "kv_cache_dtype", "gemv_max_tokens", "max_num_batched_tokens",
-                 "max_num_seqs")
+                 "max_num_seqs", "max_model_len")
 SCHEDULER_FIELDS = ("routing", "pd_policy", "pd_min_prefill_tokens")
+TOKENIZER_FIELDS = ("max_model_len", "trust_message_special_tokens")  # max_model_len: declared as the workers'
 
 
 @dataclass
@@ -108,6 +110,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-cache", action="store_true", help="turn the radix prefix cache off")
     for name in SCHEDULER_FIELDS:
         config_argument(parser, SchedulerConfig, name)
+    config_argument(parser, TokenizerConfig, "trust_message_special_tokens", metavar="BOOL")
     parser.add_argument("--pd", default="", metavar="P:D",
                         help="prefill/decode disaggregation: P prefill + D decode workers (replaces --workers)")
     config_argument(parser, WorkerConfig, "kv_transfer")
@@ -149,7 +152,8 @@ def build_suite(args: argparse.Namespace, run_dir: Path) -> Suite:
     for i, (addr, stream) in enumerate(toks):
         suite.children.append(Child(f"tokenizer{i}", ["services.tokenizer", "--model", args.model,
                                                        "--tokenizer-addr", addr, "--stream-addr", stream,
-                                                       "--scheduler-addrs", sched]))
+                                                       "--scheduler-addrs", sched,
+                                                       *_flags(args, TOKENIZER_FIELDS)]))
     gateway = ["services.gateway", "--host", args.host, "--port", str(args.port),
                "--tokenizer-addrs", ",".join(a for a, _ in toks), "--scheduler-addrs", sched]
     gateway += ["--drain-timeout-s", str(args.drain_timeout)]

@@ -16,7 +16,14 @@ class TokenizerConfig:
     scheduler_addrs: str = field(default="tcp://127.0.0.1:5560",
                                  metadata={"help": "comma-separated scheduler ROUTER addresses"})
     page_size: int = field(default=16, metadata={"help": "tokens per KV page (block hash granularity)"})
-    max_prompt_tokens: int = field(default=8192, metadata={"help": "longer prompts are refused with 400"})
+    max_model_len: int = field(
+        default=0, metadata={"help": "context limit in tokens: a prompt plus max_tokens beyond it is refused with 400 "
+                                     "context_length_exceeded (0: the model's, from its config; unknown for "
+                                     "random:<preset>, whose workers check it)"})
+    trust_message_special_tokens: bool = field(
+        default=False, metadata={"help": "true: special tokens written in chat message contents stay special (a "
+                                         "trusted deployment's opt-out). By default they are plain text, so no client "
+                                         "can forge a role or end a turn: only the chat template's own are special"})
     max_requests: int = field(
         default=16384, metadata={"help": "requests in flight here; beyond, 429 with Retry-After. A memory guard, not "
                                          "a queue (the scheduler queues): the default admits a burst of 16,000"})
@@ -45,6 +52,13 @@ class TokenizerConfig:
             raise ValueError("scheduler_give_up_s must be >= 0")
         if self.max_resends < 0 or self.max_requests < 1:
             raise ValueError("max_resends must be >= 0 and max_requests >= 1")
+        if self.max_model_len < 0:
+            raise ValueError("max_model_len must be >= 0 (0: the model's)")
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt accepted (one token of the context left for the completion); 0: not known here."""
+        return max(self.max_model_len - 1, 0)
 
     @property
     def scheduler_addr_list(self) -> list[str]:

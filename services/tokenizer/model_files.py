@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 
@@ -35,6 +36,28 @@ def load_bundled_tokenizer() -> Tokenizer:
     if cached is not None:
         return transformers.AutoTokenizer.from_pretrained(cached)
     return transformers.AutoTokenizer.from_pretrained(bundled_package_dir(), gguf_file=BUNDLED_GGUF)
+
+
+def model_context_length(spec: str) -> int | None:
+    """The model's context length in tokens, from its config: config.json's max_position_embeddings (an HF
+    directory; the bundled model's converted cache) or the bundled GGUF's llama.context_length. None when the
+    config does not say, and for random:<preset> (its shapes are the gpu_worker's: the worker's check is final)."""
+    if spec.startswith(RANDOM_PREFIX):
+        return None
+    if spec not in BUNDLED_SPECS:
+        return _config_json_context(Path(spec).expanduser() / "config.json")
+    cached = newest_cache_dir()
+    if cached is not None and (cached / "config.json").is_file():
+        return _config_json_context(cached / "config.json")
+    import gguf  # NOTE: only without a converted cache (a first start): reading the GGUF takes seconds
+
+    field = gguf.GGUFReader(bundled_package_dir() / BUNDLED_GGUF).get_field("llama.context_length")
+    return None if field is None else int(field.contents())
+
+
+def _config_json_context(path: Path) -> int | None:
+    value = json.loads(path.read_text()).get("max_position_embeddings") if path.is_file() else None
+    return int(value) if isinstance(value, int) and value > 0 else None
 
 
 def cache_root() -> Path:

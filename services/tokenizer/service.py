@@ -21,6 +21,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from services.tokenizer.chat_prompt import chat_prompt_ids
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.detokenizer import SampleDetokenizer, SampleStep
 from services.tokenizer.model_files import Tokenizer
@@ -43,7 +44,7 @@ from shared.messages import (
     TokenOutputs,
     encode,
 )
-from shared.sampling import SamplingError, prompt_length_error
+from shared.sampling import SamplingError, SamplingParams, context_length_error, prompt_length_error
 from shared.transport import MAX_FRAME_BYTES, advertised, bind, context, receive_forever, send
 
 log = structlog.get_logger(__name__)
@@ -177,6 +178,7 @@ class TokenizerService(Actor):
         if req.sampling.n < 1:
             raise PromptError("n must be at least 1")
         ids = self._prompt_ids(req)
+        self._check_context(len(ids), req.sampling)
         return TokenizedRequest(
             request_id=req.request_id, prompt_token_ids=ids,
             block_hashes=hash_blocks(ids, self.config.page_size, self.model_id), sampling=req.sampling,
@@ -193,9 +195,8 @@ class TokenizerService(Actor):
         elif self.tokenizer is None:
             raise PromptError(f"model {self.model_id} has no tokenizer: send the prompt as token ids")
         elif req.messages is not None:
-            ids = list(self.tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.content} for m in req.messages],
-                add_generation_prompt=True, tokenize=True, return_dict=False))
+            ids = chat_prompt_ids(self.tokenizer, [{"role": m.role, "content": m.content} for m in req.messages],
+                                  self.config.trust_message_special_tokens)
         else:
             ids = list(self.tokenizer.encode(req.prompt_text))
         self._check_prompt(ids)
@@ -204,11 +205,20 @@ class TokenizerService(Actor):
     def _check_prompt(self, ids: list[int]) -> None:
         if not ids:
             raise PromptError("the prompt is empty")
-        if len(ids) > self.config.max_prompt_tokens:
+        if self.config.max_model_len and len(ids) > self.config.max_prompt_tokens:
             raise prompt_length_error(self.config.max_prompt_tokens, len(ids))
         bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
         if bad is not None:
             raise PromptError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+
+    def _check_context(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:
+        """The prompt and max_tokens must fit in the model's context (a max_tokens the client did not set needs
+        room for one token: the worker clips it to the rest), as the worker checks it, refused here before any
+        scheduler or worker sees the request."""
+        max_len = self.config.max_model_len
+        num_needed = 1 if sampling.is_max_tokens_default else sampling.max_tokens
+        if max_len and num_prompt_tokens + num_needed > max_len:
+            raise context_length_error(max_len, num_prompt_tokens, sampling.max_tokens)
 
     # workers / schedulers → tokenizer
 
