@@ -15,7 +15,9 @@ from shared.sampling import SamplingParams
 #    StatusReply.incarnation.
 # 3: MetricsRequest → MetricsReply (gateway ↔ scheduler; sent only to a scheduler whose StatusReply says
 #    version >= 3); WorkerHeartbeat.metrics.
-PROTOCOL_VERSION = 3
+# 4: TokenizeRequest → TokenizeReply and DetokenizeRequest → DetokenizeReply (gateway ↔ tokenizer; an older tokenizer
+#    drops them, and the gateway answers 503 when no reply comes in time).
+PROTOCOL_VERSION = 4
 
 T = TypeVar("T")
 
@@ -206,6 +208,46 @@ class GenerateError(msgspec.Struct, frozen=True, tag=True):
     worker_lost: bool = False  # protocol 2: its worker died or left; a tokenizer may re-send it if nothing streamed
     error_code: str | None = None  # OpenAI error code, e.g. "context_length_exceeded" (an older sender: none)
     param: str | None = None  # the request parameter at fault, as OpenAI names it
+    version: int = PROTOCOL_VERSION
+
+
+class TokenizeRequest(msgspec.Struct, frozen=True, tag=True):
+    """gateway → tokenizer, protocol 4: the token ids of a prompt (exactly one of prompt_text, messages), as a
+    generation would send them; answered with TokenizeReply, or GenerateError for a prompt it cannot tokenize.
+
+    add_special_tokens concerns prompt_text (the tokenizer's own, e.g. BOS); messages get their chat template's."""
+
+    request_id: str
+    prompt_text: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    version: int = PROTOCOL_VERSION
+
+
+class TokenizeReply(msgspec.Struct, frozen=True, tag=True):
+    """tokenizer → gateway: the ids TokenizeRequest request_id asked for, and the context length in tokens that the
+    tokenizer checks prompts against (0: not known there)."""
+
+    request_id: str
+    token_ids: list[int]
+    max_model_len: int
+    version: int = PROTOCOL_VERSION
+
+
+class DetokenizeRequest(msgspec.Struct, frozen=True, tag=True):
+    """gateway → tokenizer, protocol 4: the text of these token ids, special tokens included; answered with
+    DetokenizeReply, or GenerateError for an id outside the vocabulary."""
+
+    request_id: str
+    token_ids: list[int]
+    version: int = PROTOCOL_VERSION
+
+
+class DetokenizeReply(msgspec.Struct, frozen=True, tag=True):
+    """tokenizer → gateway: the text DetokenizeRequest request_id asked for."""
+
+    request_id: str
+    text: str
     version: int = PROTOCOL_VERSION
 
 
@@ -466,8 +508,8 @@ class PagesChunk(msgspec.Struct, frozen=True, tag=True):
     version: int = PROTOCOL_VERSION
 
 
-GatewayInbound = GenerateChunk | GenerateError
-TokenizerInbound = GenerateRequest | AbortRequest
+GatewayInbound = GenerateChunk | GenerateError | TokenizeReply | DetokenizeReply
+TokenizerInbound = GenerateRequest | AbortRequest | TokenizeRequest | DetokenizeRequest
 TokenizerStreamInbound = TokenBatch | GenerateError | RequestRouted
 SchedulerInbound = (TokenizedRequest | AbortRequest | WorkerHeartbeat | RequestFinished | WorkerGone
                     | StatusRequest | HandoffAccepted | AdoptRequest | MetricsRequest)

@@ -31,6 +31,8 @@ class GatewayConfig:
                                                                 "to finish (new ones get 503) before the gateway "
                                                                 "fails them and stops"))
     peer_timeout_s: float = field(default=2.0, metadata=_help("wait for a peer to take a message or answer status"))
+    tokenize_timeout_s: float = field(default=30.0, metadata=_help("wait for a tokenizer's answer to /tokenize, "
+                                                                   "/detokenize or an echoed prompt's text"))
     status_cache_s: float = field(default=0.5, metadata=_help("reuse a StatusReply this long"))
     log_level: str = field(default="info", metadata=_help("debug, info, warning or error"))
 

@@ -7,12 +7,13 @@ from typing import Any
 
 import msgspec
 
-from shared.messages import ChatMessage, GenerateRequest
+from shared.messages import ChatMessage, DetokenizeRequest, GenerateRequest, TokenizeRequest
 from shared.sampling import (Bound, SamplingError, SamplingParams, check_bound, check_token_ids, check_value, is_int,
                              sampling_params, type_error)
 
 MAX_STOP = 4
 MAX_COMPLETION_LOGPROBS = 5
+MAX_PROMPTS = 2048  # prompts in one batched completions call (each is its own request inside)
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 # Accepted for compatibility; they do not change the output.
@@ -28,6 +29,8 @@ CHAT_PARAMS = frozenset(_COMMON | _IGNORED | {
     "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
     "functions", "function_call", "audio", "prediction", "web_search_options", "modalities"})
 COMPLETION_PARAMS = frozenset(_COMMON | {"prompt", "best_of", "echo", "suffix", "user"})
+TOKENIZE_PARAMS = frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"})
+DETOKENIZE_PARAMS = frozenset({"model", "tokens"})
 
 # Parameters we recognise but cannot honour: any value other than a neutral one is refused.
 _NEUTRAL: dict[str, Callable[[Any], bool]] = {
@@ -39,7 +42,6 @@ _NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "prediction": lambda v: False,
     "web_search_options": lambda v: False,
     "modalities": lambda v: v == ["text"],
-    "echo": lambda v: v is False,
     "suffix": lambda v: v == "",
 }
 
@@ -49,7 +51,7 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None,
-                 retry_after_s: float | None = None) -> None:
+                 retry_after_s: float | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -57,6 +59,7 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.retry_after_s = retry_after_s
+        self.headers = headers or {}  # beside Retry-After: e.g. Accept-Encoding with a 415
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
@@ -68,17 +71,26 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 
 @dataclass(frozen=True)
 class ParsedRequest:
-    """A validated request: what to send to the tokenizer, and how to shape the answer."""
+    """A validated request: what to send to the tokenizer, and how to shape the answer.
 
-    generate: GenerateRequest
+    A completions call with several prompts becomes one GenerateRequest per prompt p, with request id
+    `{request_id}-{p}` and the same sampling; choice index p * n + i answers sample i of prompt p."""
+
+    request_id: str
+    generates: tuple[GenerateRequest, ...]
     model: str
     is_chat: bool
     is_stream: bool
     include_usage: bool
+    is_echo: bool = False  # completions: each choice's text starts with its prompt
 
     @property
-    def request_id(self) -> str:
-        return self.generate.request_id
+    def generate(self) -> GenerateRequest:
+        return self.generates[0]
+
+    @property
+    def n(self) -> int:
+        return self.generate.sampling.n
 
     @property
     def has_logprobs(self) -> bool:
@@ -112,26 +124,59 @@ def parse_chat_request(body: Any, *, request_id: str, model_ids: Collection[str]
     sampling = _sampling(body, max_tokens, (top_logprobs or 0) if is_logprobs else None)
     if body.get("max_completion_tokens") is None and body.get("max_tokens") is None:
         sampling = msgspec.structs.replace(sampling, is_max_tokens_default=True)
-    return _parsed(body, GenerateRequest(request_id, sampling, messages=messages, stop=parse_stop(body.get("stop")),
-                                         skip_special_tokens=_bool(body, "skip_special_tokens", True),
-                                         deadline_s=deadline_s), is_chat=True)
+    generate = GenerateRequest(request_id, sampling, messages=messages, stop=parse_stop(body.get("stop")),
+                               skip_special_tokens=_bool(body, "skip_special_tokens", True), deadline_s=deadline_s)
+    return _parsed(body, request_id, (generate,), is_chat=True)
 
 
 def parse_completion_request(body: Any, *, request_id: str, model_ids: Collection[str],
                              deadline_s: float | None = None) -> ParsedRequest:
     """Validate a POST /v1/completions body; raises ApiError on the first problem found."""
     body = _check_envelope(body, COMPLETION_PARAMS, model_ids, required="prompt")
-    prompt_text, prompt_ids = parse_prompt(body["prompt"])
+    prompts = parse_prompts(body["prompt"])
     max_tokens = _field(body, "max_tokens", "max_tokens", SamplingParams().max_tokens)
     logprobs = _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS, None)
     sampling = _sampling(body, max_tokens, logprobs)
     best_of = _field(body, "best_of", "n", None)
     if best_of is not None and best_of != sampling.n:
         raise _unsupported("best_of")
-    generate = GenerateRequest(request_id, sampling, prompt_text=prompt_text, prompt_token_ids=prompt_ids,
-                               stop=parse_stop(body.get("stop")),
-                               skip_special_tokens=_bool(body, "skip_special_tokens", True), deadline_s=deadline_s)
-    return _parsed(body, generate, is_chat=False)
+    is_echo = _bool(body, "echo", False)
+    if is_echo and logprobs is not None:
+        raise ApiError(400, "'echo' with 'logprobs' is not supported by this server: it needs the logprobs of the "
+                            "prompt's tokens, which the engine does not compute yet. Send 'echo' without "
+                            "'logprobs', or 'logprobs' without 'echo'.", param="echo", code="unsupported_value")
+    stop, skip_special_tokens = parse_stop(body.get("stop")), _bool(body, "skip_special_tokens", True)
+    ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{p}" for p in range(len(prompts))]
+    generates = tuple(GenerateRequest(rid, sampling, prompt_text=text, prompt_token_ids=token_ids, stop=stop,
+                                      skip_special_tokens=skip_special_tokens, deadline_s=deadline_s)
+                      for rid, (text, token_ids) in zip(ids, prompts))
+    return _parsed(body, request_id, generates, is_chat=False, is_echo=is_echo)
+
+
+def parse_tokenize_request(body: Any, *, request_id: str) -> TokenizeRequest:
+    """Validate a POST /tokenize body (vLLM's): {prompt, add_special_tokens (default true)} or {messages,
+    add_generation_prompt (true only)}; `model`, optional, is checked by the caller."""
+    body = _check_fields(body, TOKENIZE_PARAMS, ())
+    if (body.get("prompt") is None) == (body.get("messages") is None):
+        raise ApiError(400, "Exactly one of 'prompt' and 'messages' must be given.", param="prompt",
+                       code="invalid_value")
+    if body.get("messages") is None:
+        if not isinstance(body["prompt"], str):
+            raise _type_error("prompt", "a string", body["prompt"])
+        return TokenizeRequest(request_id, prompt_text=body["prompt"],
+                               add_special_tokens=_bool(body, "add_special_tokens", True))
+    for key, supported in (("add_special_tokens", False), ("add_generation_prompt", True)):
+        if _bool(body, key, supported) != supported:
+            raise ApiError(400, f"Unsupported value: '{key}' must be {str(supported).lower()} with 'messages': "
+                                "chat messages are tokenized as a generation would run them.", param=key,
+                           code="unsupported_value")
+    return TokenizeRequest(request_id, messages=parse_messages(body["messages"]), add_special_tokens=False)
+
+
+def parse_detokenize_request(body: Any, *, request_id: str) -> DetokenizeRequest:
+    """Validate a POST /detokenize body (vLLM's): {tokens}; `model`, optional, is checked by the caller."""
+    body = _check_fields(body, DETOKENIZE_PARAMS, ("tokens",))
+    return DetokenizeRequest(request_id, _token_ids(body["tokens"], "tokens"))
 
 
 def parse_messages(value: Any) -> list[ChatMessage]:
@@ -144,20 +189,22 @@ def parse_messages(value: Any) -> list[ChatMessage]:
     return [_parse_message(m, f"messages[{i}]") for i, m in enumerate(value)]
 
 
-def parse_prompt(value: Any) -> tuple[str | None, list[int] | None]:
-    """A completions prompt → (text, None) or (None, token ids); batches of several prompts are refused."""
+def parse_prompts(value: Any) -> list[tuple[str | None, list[int] | None]]:
+    """A completions prompt → one (text, None) or (None, token ids) per prompt: a string or an array of token
+    ids is one prompt; an array of strings or of token-id arrays is a batch of them."""
     if isinstance(value, str):
-        return value, None
+        return [(value, None)]
     if not isinstance(value, list):
         raise _type_error("prompt", "a string or an array", value)
     if not value:
         raise ApiError(400, "Invalid 'prompt': empty array.", param="prompt", code="empty_array")
-    if all(isinstance(x, str) for x in value) or all(isinstance(x, list) for x in value):
-        if len(value) > 1:
-            raise ApiError(400, "Batched prompts are not supported: send one prompt per request.",
-                           param="prompt", code="unsupported_value")
-        return parse_prompt(value[0]) if isinstance(value[0], str) else (None, _token_ids(value[0], "prompt[0]"))
-    return None, _token_ids(value, "prompt")
+    if not (all(isinstance(x, str) for x in value) or all(isinstance(x, list) for x in value)):
+        return [(None, _token_ids(value, "prompt"))]
+    if len(value) > MAX_PROMPTS:
+        raise ApiError(400, f"Invalid 'prompt': array too long. Expected an array with maximum length {MAX_PROMPTS}, "
+                            f"but got an array with length {len(value)} instead.", param="prompt",
+                       code="array_above_max_length")
+    return [(x, None) if isinstance(x, str) else (None, _token_ids(x, f"prompt[{p}]")) for p, x in enumerate(value)]
 
 
 def parse_stop(value: Any) -> list[str]:
@@ -178,24 +225,33 @@ def parse_stop(value: Any) -> list[str]:
 
 
 def _check_envelope(body: Any, allowed: frozenset[str], model_ids: Collection[str], required: str) -> dict:
+    body = _check_fields(body, allowed, ("model", required))
+    check_model(body["model"], model_ids)
+    for key, is_neutral in _NEUTRAL.items():
+        if body.get(key) is not None and not is_neutral(body[key]):
+            raise _unsupported(key)
+    return body
+
+
+def _check_fields(body: Any, allowed: frozenset[str], required: tuple[str, ...]) -> dict:
+    """body as a JSON object of known keys with every required one non-null; else the first problem's ApiError."""
     if not isinstance(body, dict):
         raise ApiError(400, "Invalid request body: expected a JSON object.", code="invalid_type")
     for key in body:
         if key not in allowed:
             raise ApiError(400, f"Unrecognized request argument supplied: {key}")
-    for key in ("model", required):
+    for key in required:
         if body.get(key) is None:
             raise ApiError(400, f"Missing required parameter: '{key}'.", param=key,
                            code="missing_required_parameter")
-    model = body["model"]
+    return body
+
+
+def check_model(model: Any, model_ids: Collection[str]) -> None:
     if not isinstance(model, str):
         raise _type_error("model", "a string", model)
     if model not in model_ids:
         raise model_not_found(model)
-    for key, is_neutral in _NEUTRAL.items():
-        if body.get(key) is not None and not is_neutral(body[key]):
-            raise _unsupported(key)
-    return body
 
 
 def model_not_found(model: str) -> ApiError:
@@ -203,7 +259,8 @@ def model_not_found(model: str) -> ApiError:
                     code="model_not_found")
 
 
-def _parsed(body: dict, generate: GenerateRequest, is_chat: bool) -> ParsedRequest:
+def _parsed(body: dict, request_id: str, generates: tuple[GenerateRequest, ...], is_chat: bool,
+            is_echo: bool = False) -> ParsedRequest:
     is_stream = _bool(body, "stream", False)
     options = body.get("stream_options")
     if options is not None and not is_stream:
@@ -212,7 +269,7 @@ def _parsed(body: dict, generate: GenerateRequest, is_chat: bool) -> ParsedReque
     if options is not None and not isinstance(options, dict):
         raise _type_error("stream_options", "an object", options)
     include_usage = _bool(options or {}, "include_usage", False, prefix="stream_options.")
-    return ParsedRequest(generate, body["model"], is_chat, is_stream, include_usage)
+    return ParsedRequest(request_id, generates, body["model"], is_chat, is_stream, include_usage, is_echo)
 
 
 def _sampling(body: dict, max_tokens: int, logprobs: int | None) -> SamplingParams:

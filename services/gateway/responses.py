@@ -26,12 +26,21 @@ class SampleOutput:
 
 
 class RequestOutput:
-    """Accumulates the GenerateChunks of one request's n samples, for whole responses and usage."""
+    """Accumulates the GenerateChunks of one call's samples, for whole responses and usage: n samples of each of
+    num_prompts prompts, sample i of prompt p at index p * n + i (a chunk's index is that global index)."""
 
-    def __init__(self, n: int) -> None:
-        self.samples = [SampleOutput() for _ in range(n)]
-        self.num_prompt_tokens = 0
-        self.num_cached_tokens = 0
+    def __init__(self, n: int, num_prompts: int = 1) -> None:
+        self.n = n
+        self.samples = [SampleOutput() for _ in range(n * num_prompts)]
+        self._num_prompt_tokens = [0] * num_prompts  # per prompt: every sample reports the same count
+        self._num_cached_tokens = [0] * num_prompts
+        self.echoes: list[str] = []  # with echo: each choice's prompt text, by choice index
+
+    def echo(self, prompt: int, text: str) -> None:
+        """Start each sample of prompt with text (echo); call for every prompt, in order, before any chunk."""
+        for sample in self.samples[prompt * self.n:(prompt + 1) * self.n]:
+            sample.text = text
+            self.echoes.append(text)
 
     def add(self, chunk: GenerateChunk) -> bool:
         """Fold chunk in; False (and nothing changes) when its index is out of range or already finished."""
@@ -43,9 +52,21 @@ class RequestOutput:
         sample.pieces.update(_pieces(chunk))
         sample.logprobs.extend(chunk.logprobs or [])
         sample.finish_reason = chunk.finish_reason
-        self.num_prompt_tokens = max(self.num_prompt_tokens, chunk.num_prompt_tokens)
-        self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
+        prompt = chunk.index // self.n
+        self._num_prompt_tokens[prompt] = max(self._num_prompt_tokens[prompt], chunk.num_prompt_tokens)
+        self._num_cached_tokens[prompt] = max(self._num_cached_tokens[prompt], chunk.num_cached_tokens)
         return True
+
+    def is_prompt_finished(self, prompt: int) -> bool:
+        return all(s.finish_reason is not None for s in self.samples[prompt * self.n:(prompt + 1) * self.n])
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(self._num_prompt_tokens)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return sum(self._num_cached_tokens)
 
     @property
     def is_finished(self) -> bool:

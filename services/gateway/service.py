@@ -9,7 +9,7 @@ import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -21,15 +21,18 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from services.gateway.config import GatewayConfig
+from services.gateway.content_encoding import decode_body
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.protocol import (ApiError, ParsedRequest, model_not_found, parse_chat_request,
-                                       parse_completion_request, parse_json_body)
+from services.gateway.protocol import (ApiError, ParsedRequest, check_model, model_not_found, parse_chat_request,
+                                       parse_completion_request, parse_detokenize_request, parse_json_body,
+                                       parse_tokenize_request)
 from services.gateway.responses import (RequestOutput, chat_response, chat_role_chunk, chat_chunk,
                                         completion_chunk, completion_response, usage_chunk)
 from shared import transport
 from shared.actor import Actor
-from shared.messages import (AbortRequest, GatewayInbound, GenerateChunk, GenerateError, MetricsReply, MetricsRequest,
-                             SchedulerReply, StatusReply, StatusRequest)
+from shared.messages import (AbortRequest, DetokenizeReply, DetokenizeRequest, GatewayInbound, GenerateChunk,
+                             GenerateError, GenerateRequest, MetricsReply, MetricsRequest, SchedulerReply, StatusReply,
+                             StatusRequest, TokenizeReply, TokenizeRequest)
 
 log = structlog.get_logger(__name__)
 
@@ -39,24 +42,31 @@ CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
 METRICS_MIN_VERSION = 3  # the protocol version that brought MetricsRequest
 
 
-@dataclass
+@dataclass(eq=False)
 class _Call:
-    """One generation in flight: its result queue, what it produced so far, and its deadline (loop time)."""
+    """One API call in flight: its generations (one per prompt, request_ids[p]), the queue their results share, what
+    they produced so far, and the call's deadline (loop time)."""
 
-    request_id: str
+    request_ids: list[str]
     queue: asyncio.Queue[GenerateChunk | GenerateError]
     output: RequestOutput
     deadline: float  # math.inf: none
     timeout_s: float  # 0: none
-    is_sent: bool = False
-    has_failed: bool = False
+    num_sent: int = 0  # request_ids[:num_sent] went to a tokenizer
+    failed: set[int] = field(default_factory=set)  # prompts whose generation failed (ended upstream)
+    prompt_of: dict[str, int] = field(init=False)  # request id → its prompt's index
 
-    @property
-    def is_ended(self) -> bool:
-        return self.has_failed or self.output.is_finished
+    def __post_init__(self) -> None:
+        self.prompt_of = {rid: p for p, rid in enumerate(self.request_ids)}
+
+    def open_request_ids(self) -> list[str]:
+        """The generations sent and not ended: those to abort when the call ends early."""
+        return [rid for p, rid in enumerate(self.request_ids[:self.num_sent])
+                if p not in self.failed and not self.output.is_prompt_finished(p)]
 
     async def next_chunk(self) -> GenerateChunk:
-        """The next chunk that extends a sample (already folded into output); ApiError on failure or timeout."""
+        """The next chunk that extends a sample (folded into output, its index the choice's); ApiError on the failure
+        of any prompt's generation, or on timeout."""
         while True:
             remaining_s = self.deadline - asyncio.get_running_loop().time()
             try:
@@ -64,12 +74,14 @@ class _Call:
             except TimeoutError:
                 raise ApiError(504, f"The request timed out after {self.timeout_s:g} s.", type="server_error",
                                code="timeout") from None
+            prompt = self.prompt_of[msg.request_id]
             if isinstance(msg, GenerateError):
-                self.has_failed = True
-                raise ApiError(msg.status, msg.message, type=msg.code, param=msg.param, code=msg.error_code,
-                               retry_after_s=msg.retry_after_s)
-            if self.output.add(msg):
-                return msg
+                self.failed.add(prompt)
+                raise api_error(msg)
+            if 0 <= msg.index < self.output.n:
+                chunk = msgspec.structs.replace(msg, index=prompt * self.output.n + msg.index) if prompt else msg
+                if self.output.add(chunk):
+                    return chunk
             log.warning("dropped chunk with a bad or finished index", request_id=msg.request_id, index=msg.index)
 
 
@@ -90,6 +102,7 @@ class Gateway(Actor):
         self._status_poll: asyncio.Future[StatusReply] | None = None
         self._status_poll_at = -math.inf
         self._metrics_polls: dict[str, asyncio.Future[bytes]] = {}  # MetricsRequest id → the scheduler's text
+        self._tokenizer_polls: dict[str, asyncio.Future[Any]] = {}  # (De)TokenizeRequest id → the reply
         self._created_s = int(time.time())
         self._runner: web.AppRunner | None = None
         self._tokenizers: zmq.asyncio.Socket | None = None
@@ -101,8 +114,9 @@ class Gateway(Actor):
         self.spawn(transport.receive_forever(self._tokenizers, GatewayInbound, self._on_result), "tokenizer-recv")
         self.spawn(transport.receive_forever(self._schedulers, SchedulerReply, self._on_scheduler_reply),
                    "scheduler-recv")
+        # NOTE: bodies are decoded by decode_body, so an encoding aiohttp cannot read fails in our handler
         self._runner = web.AppRunner(self.build_app(), handler_cancellation=True, shutdown_timeout=5.0,
-                                     access_log=None)
+                                     access_log=None, auto_decompress=False, logger=_ONE_LINE_SERVER_LOG)
         await self._runner.setup()
         await web.TCPSite(self._runner, self.config.host, self.config.port).start()
         log.info("listening", host=self.config.host, port=self.config.port, identity=self._identity.decode(),
@@ -126,11 +140,13 @@ class Gateway(Actor):
             await asyncio.sleep(0.05)
         if not self._calls:
             return
-        log.warning("drain timeout; failing the requests left", num_requests=len(self._calls))
-        for call in list(self._calls.values()):
-            if call.is_sent and not call.is_ended:
-                await self._abort(call.request_id, "shutdown")
-            call.queue.put_nowait(GenerateError(call.request_id, 503, "server_error",
+        calls = set(self._calls.values())
+        log.warning("drain timeout; failing the requests left", num_requests=len(calls))
+        for call in calls:
+            for request_id in call.open_request_ids():
+                await self._abort(request_id, "shutdown")
+            call.failed.update(range(len(call.request_ids)))  # NOTE: aborted above; the call's end aborts none again
+            call.queue.put_nowait(GenerateError(call.request_ids[0], 503, "server_error",
                                                 "The server shut down before the request finished."))
         deadline = loop.time() + 2.0
         while self._num_in_flight and loop.time() < deadline:
@@ -143,6 +159,8 @@ class Gateway(Actor):
         app.router.add_post(COMPLETIONS_PATH, self.completions)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_get("/v1/models/{model:.+}", self.retrieve_model)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_text)
         return app
@@ -204,6 +222,23 @@ class Gateway(Actor):
             raise model_not_found(model)
         return json_response(self._model_card(model))
 
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: the ids of a prompt or of chat messages (as a generation would run them)."""
+        body = await self._json_body(request)
+        msg = parse_tokenize_request(body, request_id=f"tokenize-{uuid.uuid4().hex}")
+        await self._check_optional_model(body)
+        reply: TokenizeReply = await self._ask_tokenizer(msg)
+        return json_response({"count": len(reply.token_ids), "max_model_len": reply.max_model_len or None,
+                              "tokens": reply.token_ids, "token_strs": None})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /detokenize: the text of token ids, special tokens included."""
+        body = await self._json_body(request)
+        msg = parse_detokenize_request(body, request_id=f"detokenize-{uuid.uuid4().hex}")
+        await self._check_optional_model(body)
+        reply: DetokenizeReply = await self._ask_tokenizer(msg)
+        return json_response({"prompt": reply.text})
+
     async def health(self, request: web.Request) -> web.Response:
         if self._is_draining:
             raise ApiError(503, "The server is shutting down.", type="server_error", code="service_unavailable")
@@ -241,13 +276,26 @@ class Gateway(Actor):
             self._num_in_flight -= 1
             self.metrics.in_flight.dec()
 
-    async def _parse(self, request: web.Request, is_chat: bool) -> ParsedRequest:
+    async def _json_body(self, request: web.Request) -> Any:
+        """The request's JSON body, its Content-Encoding undone; ApiError (logged in one line) when unreadable."""
         try:
-            raw = await request.read()
-        except (RequestPayloadError, HttpProcessingError) as exc:  # e.g. a body that is not the gzip it claims
+            raw = decode_body(await request.read(), request.headers.get("Content-Encoding"),
+                              self.config.max_body_bytes)
+        except (RequestPayloadError, HttpProcessingError) as exc:  # e.g. a body cut short
             raise ApiError(400, f"We could not read the body of your request: {str(exc).strip()[:200]}",
                            code="invalid_body") from None
-        body = parse_json_body(raw)
+        except ApiError as exc:
+            log.info("unreadable request body", path=request.path, status=exc.status, code=exc.code,
+                     content_encoding=request.headers.get("Content-Encoding", "")[:40])
+            raise
+        return parse_json_body(raw)
+
+    async def _check_optional_model(self, body: dict) -> None:
+        if body.get("model") is not None:
+            check_model(body["model"], await self._model_ids(allow_empty=False))
+
+    async def _parse(self, request: web.Request, is_chat: bool) -> ParsedRequest:
+        body = await self._json_body(request)
         model_ids = await self._model_ids(allow_empty=False)
         timeout_s = self.config.request_timeout_s
         deadline_s = time.time() + timeout_s if timeout_s else None
@@ -258,14 +306,20 @@ class Gateway(Actor):
                                         deadline_s=deadline_s)
 
     async def _serve(self, request: web.Request, parsed: ParsedRequest, started: float) -> web.StreamResponse:
+        """Send one generation per prompt and answer the call from their chunks; the failure of any fails the call,
+        and whatever is still running upstream when the call ends is aborted."""
         timeout_s = self.config.request_timeout_s
-        call = _Call(parsed.request_id, asyncio.Queue(), RequestOutput(parsed.generate.sampling.n),
+        call = _Call([g.request_id for g in parsed.generates], asyncio.Queue(),
+                     RequestOutput(parsed.n, len(parsed.generates)),
                      asyncio.get_running_loop().time() + timeout_s if timeout_s else math.inf, timeout_s)
-        self._calls[call.request_id] = call
+        self._calls.update(dict.fromkeys(call.request_ids, call))
         reason = "client_disconnected"
         try:
-            await self._send(self._tokenizers, parsed.generate, "tokenizer")
-            call.is_sent = True
+            if parsed.is_echo:
+                await self._echo(parsed.generates, call.output)
+            for generate in parsed.generates:
+                await self._send(self._tokenizers, generate, "tokenizer")
+                call.num_sent += 1
             first = await call.next_chunk()
             self.metrics.ttft.labels(request.path).observe(time.monotonic() - started)
             if parsed.is_stream:
@@ -278,9 +332,21 @@ class Gateway(Actor):
             reason = exc.code or "error"
             raise
         finally:
-            del self._calls[call.request_id]
-            if call.is_sent and not call.is_ended:
-                await self._abort(call.request_id, reason)
+            for request_id in call.request_ids:
+                del self._calls[request_id]
+            for request_id in call.open_request_ids():
+                await self._abort(request_id, reason)
+
+    async def _echo(self, generates: tuple[GenerateRequest, ...], output: RequestOutput) -> None:
+        """Each choice's text starts with its prompt: a text as sent, token ids as the tokenizer decodes them."""
+        async def text(generate: GenerateRequest) -> str:
+            if generate.prompt_text is not None:
+                return generate.prompt_text
+            msg = DetokenizeRequest(f"echo-{uuid.uuid4().hex}", generate.prompt_token_ids or [])
+            return (await self._ask_tokenizer(msg)).text
+
+        for prompt, prompt_text in enumerate(await asyncio.gather(*map(text, generates))):
+            output.echo(prompt, prompt_text)
 
     async def _whole(self, parsed: ParsedRequest, call: _Call) -> web.Response:
         while not call.output.is_finished:
@@ -308,8 +374,11 @@ class Gateway(Actor):
                              first: GenerateChunk, created: int) -> None:
         rid, model, usage = parsed.request_id, parsed.model, parsed.include_usage
         if parsed.is_chat:
-            for index in range(parsed.generate.sampling.n):
+            for index in range(parsed.n):
                 await write_event(response, chat_role_chunk(rid, model, created, index, usage))
+        for index, echo in enumerate(call.output.echoes):
+            await write_event(response, completion_chunk(rid, model, created, GenerateChunk(rid, index, echo, []),
+                                                         False, 0, usage))
         chunk = first
         while True:
             if parsed.is_chat:
@@ -336,12 +405,33 @@ class Gateway(Actor):
 
     # --- ZeroMQ peers ---
 
-    async def _on_result(self, msg: GenerateChunk | GenerateError, _identity: bytes | None) -> None:
+    async def _on_result(self, msg: GenerateChunk | GenerateError | TokenizeReply | DetokenizeReply,
+                         _identity: bytes | None) -> None:
+        future = self._tokenizer_polls.get(msg.request_id)
+        if future is not None:
+            if not future.done():
+                future.set_exception(api_error(msg)) if isinstance(msg, GenerateError) else future.set_result(msg)
+            return
+        if isinstance(msg, (TokenizeReply, DetokenizeReply)):
+            log.debug("reply for a request no longer waited for", request_id=msg.request_id)
+            return
         call = self._calls.get(msg.request_id)
         if call is None:
             log.debug("result for an unknown request", request_id=msg.request_id)
             return
         call.queue.put_nowait(msg)
+
+    async def _ask_tokenizer(self, msg: TokenizeRequest | DetokenizeRequest) -> Any:
+        """A tokenizer's TokenizeReply or DetokenizeReply to msg; ApiError for its error, 503 when none answers."""
+        self._tokenizer_polls[msg.request_id] = asyncio.get_running_loop().create_future()
+        try:
+            await self._send(self._tokenizers, msg, "tokenizer")
+            return await asyncio.wait_for(self._tokenizer_polls[msg.request_id], self.config.tokenize_timeout_s)
+        except TimeoutError:
+            raise ApiError(503, f"No tokenizer answered within {self.config.tokenize_timeout_s:g} s.",
+                           type="server_error", code="service_unavailable") from None
+        finally:
+            del self._tokenizer_polls[msg.request_id]
 
     async def _on_scheduler_reply(self, msg: StatusReply | MetricsReply, identity: bytes | None) -> None:
         if isinstance(msg, StatusReply):
@@ -421,6 +511,27 @@ class Gateway(Actor):
         return {"id": model, "object": "model", "created": self._created_s, "owned_by": "radixserve"}
 
 
+def api_error(msg: GenerateError) -> ApiError:
+    return ApiError(msg.status, msg.message, type=msg.code, param=msg.param, code=msg.error_code,
+                    retry_after_s=msg.retry_after_s)
+
+
+class _OneLineServerLog:
+    """aiohttp's server logger: what it reports itself (an unparsable request, a failed write) as one line each,
+    without the traceback it would log, so no unauthenticated request can flood the log with tracebacks."""
+
+    def debug(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def exception(self, message: str, *args: Any, exc_info: BaseException | None = None, **_: Any) -> None:
+        log.warning("http server error", detail=(message % args)[:200], error=repr(exc_info)[:300])
+
+    warning = error = exception
+
+
+_ONE_LINE_SERVER_LOG = _OneLineServerLog()
+
+
 def check_bearer(header: str | None, api_keys: list[bytes]) -> None:
     """Raise 401 unless header is `Bearer <key>` for one of api_keys (constant-time compare against each)."""
     scheme, _, token = (header or "").partition(" ")
@@ -440,7 +551,7 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
 
 
 def error_response(exc: ApiError) -> web.Response:
-    headers = {}
+    headers = dict(exc.headers)
     if exc.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
     return json_response(exc.body(), exc.status, headers)

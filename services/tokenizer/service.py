@@ -31,6 +31,8 @@ from shared.actor import Actor
 from shared.hashing import hash_blocks
 from shared.messages import (
     AbortRequest,
+    DetokenizeReply,
+    DetokenizeRequest,
     GenerateChunk,
     GenerateError,
     GenerateRequest,
@@ -38,6 +40,8 @@ from shared.messages import (
     StatusReply,
     TokenBatch,
     TokenizedRequest,
+    TokenizeReply,
+    TokenizeRequest,
     TokenizerInbound,
     TokenizerStreamInbound,
     TokenLogprobEntry,
@@ -88,7 +92,9 @@ class TokenizerService(Actor):
         self.requests: dict[str, RequestState] = {}
         self._admitting: set[asyncio.Future] = set()
         self._gateway_handlers: dict[type, Any] = {GenerateRequest: self.on_generate,
-                                                   AbortRequest: self.on_gateway_abort}
+                                                   AbortRequest: self.on_gateway_abort,
+                                                   TokenizeRequest: self.on_tokenize,
+                                                   DetokenizeRequest: self.on_detokenize}
         self._stream_handlers: dict[type, Any] = {TokenBatch: self.on_token_batch,
                                                   GenerateError: self.on_stream_error,
                                                   RequestRouted: self.on_routed}
@@ -172,6 +178,42 @@ class TokenizerService(Actor):
         # NOTE: forwarded even when unknown here: a gateway's DEALER may send the abort to another replica.
         self.requests.pop(abort.request_id, None)
         await self._run(self.table.forget(abort.request_id, abort.reason))
+
+    async def on_tokenize(self, req: TokenizeRequest, gateway: bytes) -> None:
+        """The ids of a prompt (/tokenize); long texts are tokenized off the event loop."""
+        try:
+            ids = await asyncio.to_thread(self._tokenize_ids, req) if _num_prompt_chars(req) >= \
+                MIN_THREADED_PROMPT_CHARS else self._tokenize_ids(req)
+            reply = TokenizeReply(req.request_id, ids, self.config.max_model_len)
+        except Exception as exc:  # noqa: BLE001 - a bad prompt answers its own gateway only
+            await self._reply_error(gateway, req.request_id, exc)
+            return
+        await send(self.router, reply, gateway)
+
+    async def on_detokenize(self, req: DetokenizeRequest, gateway: bytes) -> None:
+        """The text of token ids (/detokenize), special tokens included."""
+        try:
+            if self.tokenizer is None:
+                raise PromptError(f"model {self.model_id} has no tokenizer")
+            bad = next((i for i in req.token_ids if not 0 <= i < self.vocab_size), None)
+            if bad is not None:
+                raise PromptError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+            reply = DetokenizeReply(req.request_id, self.tokenizer.decode(req.token_ids))
+        except Exception as exc:  # noqa: BLE001 - a bad id answers its own gateway only
+            await self._reply_error(gateway, req.request_id, exc)
+            return
+        await send(self.router, reply, gateway)
+
+    def _tokenize_ids(self, req: TokenizeRequest) -> list[int]:
+        """Chat messages: the ids a generation would run (its chat template and checks); a text: its ids with or
+        without the tokenizer's special tokens, unchecked (counting an over-long prompt is the point)."""
+        if req.messages is not None:
+            return self._prompt_ids(GenerateRequest(req.request_id, SamplingParams(), messages=req.messages))
+        if self.tokenizer is None:
+            raise PromptError(f"model {self.model_id} has no tokenizer")
+        if req.prompt_text is None:
+            raise PromptError("one of prompt_text and messages must be set")
+        return list(self.tokenizer.encode(req.prompt_text, add_special_tokens=req.add_special_tokens))
 
     def _tokenized(self, req: GenerateRequest) -> TokenizedRequest:
         """The TokenizedRequest for req (may run in a worker thread); bad input raises PromptError."""
@@ -341,7 +383,7 @@ def _scheduler_dealer(addr: str) -> zmq.asyncio.Socket:
     return sock
 
 
-def _num_prompt_chars(req: GenerateRequest) -> int:
+def _num_prompt_chars(req: GenerateRequest | TokenizeRequest) -> int:
     if req.prompt_text is not None:
         return len(req.prompt_text)
     return sum(len(m.content) for m in req.messages or ())

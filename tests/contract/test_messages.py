@@ -1,6 +1,6 @@
 """Wire types: every Struct in shared/messages.py round-trips through the codec, and decodes from each socket
 union that accepts it; stray and garbage messages fail at the boundary; engine metrics in heartbeats and the
-MetricsRequest / MetricsReply pair (protocol 3)."""
+MetricsRequest / MetricsReply pair (protocol 3); the tokenize and detokenize pairs (protocol 4)."""
 from __future__ import annotations
 
 import inspect
@@ -17,6 +17,7 @@ from shared.messages import (PROTOCOL_VERSION, AbortRequest, AdoptRequest, AllBl
                              KVReady, KVSource, MetricsReply, MetricsRequest, PagesChunk, PagesRequest, PrefillRequest,
                              ReleaseLease, RequestFinished, RequestRouted, SchedulerInbound,
                              SchedulerReply, SnapshotRequest, StatusReply, StatusRequest, TokenBatch, TokenizedRequest,
+                             DetokenizeReply, DetokenizeRequest, TokenizeReply, TokenizeRequest, TokenizerInbound,
                              TokenLogprobEntry, TokenOutputs, TokenPiece, TransferStats, WorkerGone, WorkerHeartbeat,
                              WorkerLoad, decode, encode)
 from shared.sampling import SamplingParams
@@ -79,6 +80,11 @@ EXAMPLES: dict[type[msgspec.Struct], list[msgspec.Struct]] = {
                     GenerateError("r1", 503, "server_error", "worker lost", worker_lost=True),
                     GenerateError("r1", 400, "invalid_request_error", "too long",
                                   error_code="context_length_exceeded", param="messages")],
+    TokenizeRequest: [TokenizeRequest("r1", prompt_text="hi", add_special_tokens=False),
+                      TokenizeRequest("r2", messages=[ChatMessage("user", "u")])],
+    TokenizeReply: [TokenizeReply("r1", [1, 2, 3], 8192), TokenizeReply("r2", [], 1)],
+    DetokenizeRequest: [DetokenizeRequest("r1", [1, 2, 3]), DetokenizeRequest("r2", [])],
+    DetokenizeReply: [DetokenizeReply("r1", "Hello"), DetokenizeReply("r2", "")],
     WorkerLoad: [WorkerLoad(1, 2, 3, 4, 5), WorkerLoad(1, 2, 3, 4, 5, num_cached_pages=6, num_leased_pages=7,
                                                        max_num_seqs=256)],
     WorkerHeartbeat: [_heartbeat(), _heartbeat(transfer=TransferStats(num_handoffs=1, pull_seconds=0.5),
@@ -218,7 +224,18 @@ def test_metrics_messages_round_trip(msg: msgspec.Struct, union: object) -> None
     decoded = decode(encode(msg), union)
     assert type(decoded) is type(msg)
     assert decoded == msg
-    assert decoded.version == PROTOCOL_VERSION == 3
+    assert decoded.version == PROTOCOL_VERSION >= 3
+
+
+@pytest.mark.parametrize("msg, union", [(TokenizeRequest("r1", prompt_text="a"), TokenizerInbound),
+                                        (DetokenizeRequest("r1", [5]), TokenizerInbound),
+                                        (TokenizeReply("r1", [5], 64), GatewayInbound),
+                                        (DetokenizeReply("r1", "a"), GatewayInbound)],
+                         ids=["tokenize", "detokenize", "tokenize-reply", "detokenize-reply"])
+def test_tokenize_messages_round_trip(msg: msgspec.Struct, union: object) -> None:
+    decoded = decode(encode(msg), union)
+    assert decoded == msg
+    assert decoded.version == PROTOCOL_VERSION == 4
 
 
 def test_chunk_of_an_older_tokenizer_decodes_without_token_pieces() -> None:

@@ -21,9 +21,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from shared.messages import (AbortRequest, GenerateChunk, GenerateError, GenerateRequest, MetricsReply,
-                             MetricsRequest, StatusReply, StatusRequest, TokenizerInbound, TokenLogprobEntry, decode,
-                             encode)
+from shared.messages import (AbortRequest, DetokenizeReply, DetokenizeRequest, GenerateChunk, GenerateError,
+                             GenerateRequest, MetricsReply, MetricsRequest, StatusReply, StatusRequest, TokenizeReply,
+                             TokenizeRequest, TokenizerInbound, TokenLogprobEntry, decode, encode)
 from shared.sampling import context_length_error
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,6 +44,8 @@ class FakePeers:
       "slow":   the first piece of each sample, then nothing (until an AbortRequest)
       "error429" / "midstream": GenerateError(429) at once / after the first pieces, GenerateError(500)
       "toolong": GenerateError(400, context_length_exceeded) at once, as a worker with an 8192-token context
+    TokenizeRequest: a text's ids are its characters' code points (a chat's: its last message's), max 8192;
+    DetokenizeRequest: the characters of those code points, or GenerateError(400) for id 0.
     """
 
     def __init__(self, tmp_dir: str) -> None:
@@ -95,6 +97,9 @@ class FakePeers:
             if isinstance(msg, AbortRequest):
                 self.aborts.append(msg)
                 continue
+            if isinstance(msg, (TokenizeRequest, DetokenizeRequest)):
+                await sock.send_multipart([identity, encode(_tokenizer_reply(msg))])
+                continue
             self.requests.append(msg)
             for reply in self._script(msg):
                 await sock.send_multipart([identity, encode(reply)])
@@ -115,6 +120,15 @@ class FakePeers:
         if prompt == "midstream":
             out.append(GenerateError(req.request_id, 500, "server_error", "worker died"))
         return out
+
+
+def _tokenizer_reply(msg: TokenizeRequest | DetokenizeRequest) -> TokenizeReply | DetokenizeReply | GenerateError:
+    if isinstance(msg, TokenizeRequest):
+        text = msg.messages[-1].content if msg.messages else msg.prompt_text or ""
+        return TokenizeReply(msg.request_id, [ord(c) for c in text], 8192)
+    if 0 in msg.token_ids:
+        return GenerateError(msg.request_id, 400, "invalid_request_error", "token id 0 is not allowed")
+    return DetokenizeReply(msg.request_id, "".join(map(chr, msg.token_ids)))
 
 
 def _piece(req: GenerateRequest, index: int, k: int) -> GenerateChunk:

@@ -6,10 +6,11 @@ from typing import Any
 import pytest
 
 from services.gateway.protocol import (ApiError, parse_chat_request, parse_completion_request, parse_json_body,
-                                       parse_prompt, parse_stop)
+                                       parse_detokenize_request, parse_prompts, parse_stop, parse_tokenize_request)
 from services.gateway.responses import (RequestOutput, chat_chunk, chat_response, chat_role_chunk,
                                         completion_chunk, completion_response, usage_chunk)
-from shared.messages import ChatMessage, GenerateChunk, GenerateRequest, SamplingSpec, TokenLogprobEntry
+from shared.messages import (ChatMessage, DetokenizeRequest, GenerateChunk, GenerateRequest, SamplingSpec,
+                             TokenizeRequest, TokenLogprobEntry)
 
 MODEL = "m1"
 USER = [{"role": "user", "content": "hi"}]
@@ -118,14 +119,30 @@ def test_completion_logprobs_and_best_of_equal_to_n() -> None:
 
 
 @pytest.mark.parametrize("prompt, expected", [
-    ("abc", ("abc", None)),
-    ("", ("", None)),
-    (["abc"], ("abc", None)),
-    ([1, 2, 3], (None, [1, 2, 3])),
-    ([[4, 5]], (None, [4, 5])),
+    ("abc", [("abc", None)]),
+    ("", [("", None)]),
+    (["abc"], [("abc", None)]),
+    ([1, 2, 3], [(None, [1, 2, 3])]),
+    ([[4, 5]], [(None, [4, 5])]),
+    (["a", "", "c"], [("a", None), ("", None), ("c", None)]),
+    ([[4, 5], [6]], [(None, [4, 5]), (None, [6])]),
 ])
-def test_prompt_forms(prompt: Any, expected: tuple) -> None:
-    assert parse_prompt(prompt) == expected
+def test_prompt_forms(prompt: Any, expected: list) -> None:
+    assert parse_prompts(prompt) == expected
+
+
+def test_batched_prompts_become_one_generation_each() -> None:
+    parsed = completion(prompt=[[1, 2], [3]], n=2, max_tokens=5, stop="x")
+    sampling = SamplingSpec(max_tokens=5, n=2)
+    assert parsed.request_id == "cmpl-1"
+    assert parsed.generates == (GenerateRequest("cmpl-1-0", sampling, prompt_token_ids=[1, 2], stop=["x"]),
+                                GenerateRequest("cmpl-1-1", sampling, prompt_token_ids=[3], stop=["x"]))
+    assert [g.request_id for g in completion(prompt=["a"]).generates] == ["cmpl-1"]
+
+
+def test_echo_without_logprobs_is_accepted() -> None:
+    assert completion(echo=True).is_echo is True
+    assert completion(echo=False).is_echo is False
 
 
 @pytest.mark.parametrize("stop, expected", [(None, []), ("x", ["x"]), ("", []), (["a", "", "b"], ["a", "b"]),
@@ -209,11 +226,15 @@ def test_chat_validation_errors(body: dict, status: int, param: str | None, code
 @pytest.mark.parametrize("body, status, param, code, fragment", [
     ({"logprobs": 6}, 400, "logprobs", "integer_above_max_value", "<= 5"),
     ({"logprobs": True}, 400, "logprobs", "invalid_type", "expected an integer, but got a boolean"),
-    ({"echo": True}, 400, "echo", "unsupported_parameter", "'echo' is not supported"),
+    ({"echo": True, "logprobs": 1}, 400, "echo", "unsupported_value", "needs the logprobs of the prompt's tokens"),
+    ({"echo": True, "logprobs": 0}, 400, "echo", "unsupported_value", "needs the logprobs of the prompt's tokens"),
+    ({"echo": 1}, 400, "echo", "invalid_type", "expected a boolean"),
     ({"suffix": "x"}, 400, "suffix", "unsupported_parameter", "'suffix' is not supported"),
     ({"best_of": 3}, 400, "best_of", "unsupported_parameter", "'best_of' is not supported"),
-    ({"prompt": ["a", "b"]}, 400, "prompt", "unsupported_value", "Batched prompts are not supported"),
-    ({"prompt": [[1], [2]]}, 400, "prompt", "unsupported_value", "Batched prompts are not supported"),
+    ({"prompt": ["a", 1]}, 400, "prompt[0]", "invalid_type", "expected an integer, but got a string"),
+    ({"prompt": [[1], []]}, 400, "prompt[1]", "empty_array", "empty array"),
+    ({"prompt": [[1], [-1]]}, 400, "prompt[1][0]", "invalid_value", "not a valid token id"),
+    ({"prompt": ["a"] * 2049}, 400, "prompt", "array_above_max_length", "maximum length 2048"),
     ({"prompt": []}, 400, "prompt", "empty_array", "empty array"),
     ({"prompt": [[]]}, 400, "prompt[0]", "empty_array", "empty array"),
     ({"prompt": [1, "a"]}, 400, "prompt[1]", "invalid_type", "expected an integer, but got a string"),
@@ -351,3 +372,57 @@ def test_chat_without_max_tokens_sends_a_default_the_worker_may_clip() -> None:
     assert chat(max_completion_tokens=5).generate.sampling.is_max_tokens_default is False
     assert completion().generate.sampling.is_max_tokens_default is False
     assert error_of(chat, is_max_tokens_default=True).status == 400  # internal: not a body parameter
+
+
+# --- batched prompts: one output, choices p * n + i, usage summed over prompts ---
+
+def test_batch_output_indexes_choices_and_sums_usage() -> None:
+    output = RequestOutput(2, num_prompts=2)  # choices 0, 1: prompt 0; 2, 3: prompt 1
+    output.echo(0, "A")
+    output.echo(1, "B")
+    for index, (text, num_prompt, num_cached) in enumerate([("a0", 3, 1), ("a1", 3, 1), ("b0", 5, 0), ("b1", 5, 0)]):
+        assert output.add(GenerateChunk("r", index, text, [index], finish_reason="stop",
+                                        num_prompt_tokens=num_prompt, num_cached_tokens=num_cached))
+        assert output.is_prompt_finished(index // 2) == (index % 2 == 1)
+    assert [s.text for s in output.samples] == ["Aa0", "Aa1", "Bb0", "Bb1"]
+    assert output.echoes == ["A", "A", "B", "B"]
+    assert output.usage() == {"prompt_tokens": 8, "completion_tokens": 4, "total_tokens": 12,
+                              "prompt_tokens_details": {"cached_tokens": 1}}
+    assert not output.add(GenerateChunk("r", 4, "x", [9]))
+    assert completion_response("r", MODEL, 1, output, False)["choices"][3] == {
+        "index": 3, "text": "Bb1", "logprobs": None, "finish_reason": "stop"}
+
+
+# --- /tokenize and /detokenize (vLLM's shapes) ---
+
+def test_tokenize_bodies() -> None:
+    assert parse_tokenize_request({"model": MODEL, "prompt": "hi"}, request_id="t") == TokenizeRequest(
+        "t", prompt_text="hi", add_special_tokens=True)
+    assert parse_tokenize_request({"prompt": "", "add_special_tokens": False}, request_id="t") == TokenizeRequest(
+        "t", prompt_text="", add_special_tokens=False)
+    assert parse_tokenize_request({"messages": USER, "add_generation_prompt": True}, request_id="t") == \
+        TokenizeRequest("t", messages=[ChatMessage("user", "hi")], add_special_tokens=False)
+    assert parse_detokenize_request({"model": MODEL, "tokens": [1, 2]}, request_id="d") == DetokenizeRequest(
+        "d", [1, 2])
+
+
+@pytest.mark.parametrize("parse, body, param, code, fragment", [
+    (parse_tokenize_request, {}, "prompt", "invalid_value", "Exactly one of 'prompt' and 'messages'"),
+    (parse_tokenize_request, {"prompt": "a", "messages": USER}, "prompt", "invalid_value", "Exactly one"),
+    (parse_tokenize_request, {"prompt": [1]}, "prompt", "invalid_type", "expected a string"),
+    (parse_tokenize_request, {"prompt": "a", "x": 1}, None, None, "Unrecognized request argument supplied: x"),
+    (parse_tokenize_request, {"messages": USER, "add_special_tokens": True}, "add_special_tokens",
+     "unsupported_value", "must be false with 'messages'"),
+    (parse_tokenize_request, {"messages": USER, "add_generation_prompt": False}, "add_generation_prompt",
+     "unsupported_value", "must be true with 'messages'"),
+    (parse_tokenize_request, {"messages": []}, "messages", "empty_array", "empty array"),
+    (parse_tokenize_request, [], None, "invalid_type", "expected a JSON object"),
+    (parse_detokenize_request, {}, "tokens", "missing_required_parameter", "'tokens'"),
+    (parse_detokenize_request, {"tokens": "abc"}, "tokens", "invalid_type", ""),
+    (parse_detokenize_request, {"tokens": [1, -2]}, "tokens[1]", "invalid_value", "not a valid token id"),
+])
+def test_tokenize_errors(parse, body: Any, param: str | None, code: str | None, fragment: str) -> None:
+    with pytest.raises(ApiError) as info:
+        parse(body, request_id="t")
+    assert (info.value.status, info.value.param, info.value.code) == (400, param, code)
+    assert fragment in info.value.message
