@@ -43,8 +43,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subproces
     finally:
         proc.terminate()
         assert proc.wait(30) == 0
-        text = log_path.read_text()  # NOTE: aiohttp itself logs tracebacks for bodies it cannot decompress
+        text = log_path.read_text()
         assert "handler failed" not in text and "[error" not in text
+        assert "Error handling request" not in text  # aiohttp's traceback for a request it could not parse
 
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
@@ -115,7 +116,10 @@ def check_completion(resp: requests.Response, body: dict[str, Any], is_chat: boo
         return
     reply = resp.json()
     assert reply["object"] == ("chat.completion" if is_chat else "text_completion")
-    assert sorted(c["index"] for c in reply["choices"]) == list(range(body.get("n") or 1))
+    prompt = body.get("prompt")
+    is_batch = not is_chat and isinstance(prompt, list) and all(isinstance(p, (list, str)) for p in prompt)
+    num_prompts = len(prompt) if is_batch else 1  # a batch answers n choices per prompt
+    assert sorted(c["index"] for c in reply["choices"]) == list(range(num_prompts * (body.get("n") or 1)))
     assert all(c["finish_reason"] in ("stop", "length") for c in reply["choices"])
 
 
