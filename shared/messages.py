@@ -15,8 +15,8 @@ from shared.sampling import SamplingParams
 #    StatusReply.incarnation.
 # 3: MetricsRequest → MetricsReply (gateway ↔ scheduler; sent only to a scheduler whose StatusReply says
 #    version >= 3); WorkerHeartbeat.metrics.
-# 4: TokenizeRequest → TokenizeReply and DetokenizeRequest → DetokenizeReply (gateway ↔ tokenizer; an older tokenizer
-#    drops them, and the gateway answers 503 when no reply comes in time).
+# 4: TokenizeRequest → TokenizeReply and DetokenizeRequest → DetokenizeReply (gateway ↔ tokenizer; an older
+#    tokenizer drops them, and the gateway answers 503 when no reply comes in time).
 PROTOCOL_VERSION = 4
 
 T = TypeVar("T")

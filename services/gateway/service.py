@@ -9,7 +9,6 @@ import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -20,6 +19,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
+from services.gateway.call import Call, api_error
 from services.gateway.config import GatewayConfig
 from services.gateway.content_encoding import decode_body
 from services.gateway.metrics import GatewayMetrics
@@ -42,49 +42,6 @@ CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
 METRICS_MIN_VERSION = 3  # the protocol version that brought MetricsRequest
 
 
-@dataclass(eq=False)
-class _Call:
-    """One API call in flight: its generations (one per prompt, request_ids[p]), the queue their results share, what
-    they produced so far, and the call's deadline (loop time)."""
-
-    request_ids: list[str]
-    queue: asyncio.Queue[GenerateChunk | GenerateError]
-    output: RequestOutput
-    deadline: float  # math.inf: none
-    timeout_s: float  # 0: none
-    num_sent: int = 0  # request_ids[:num_sent] went to a tokenizer
-    failed: set[int] = field(default_factory=set)  # prompts whose generation failed (ended upstream)
-    prompt_of: dict[str, int] = field(init=False)  # request id → its prompt's index
-
-    def __post_init__(self) -> None:
-        self.prompt_of = {rid: p for p, rid in enumerate(self.request_ids)}
-
-    def open_request_ids(self) -> list[str]:
-        """The generations sent and not ended: those to abort when the call ends early."""
-        return [rid for p, rid in enumerate(self.request_ids[:self.num_sent])
-                if p not in self.failed and not self.output.is_prompt_finished(p)]
-
-    async def next_chunk(self) -> GenerateChunk:
-        """The next chunk that extends a sample (folded into output, its index the choice's); ApiError on the failure
-        of any prompt's generation, or on timeout."""
-        while True:
-            remaining_s = self.deadline - asyncio.get_running_loop().time()
-            try:
-                msg = await asyncio.wait_for(self.queue.get(), max(remaining_s, 0.0) if self.timeout_s else None)
-            except TimeoutError:
-                raise ApiError(504, f"The request timed out after {self.timeout_s:g} s.", type="server_error",
-                               code="timeout") from None
-            prompt = self.prompt_of[msg.request_id]
-            if isinstance(msg, GenerateError):
-                self.failed.add(prompt)
-                raise api_error(msg)
-            if 0 <= msg.index < self.output.n:
-                chunk = msgspec.structs.replace(msg, index=prompt * self.output.n + msg.index) if prompt else msg
-                if self.output.add(chunk):
-                    return chunk
-            log.warning("dropped chunk with a bad or finished index", request_id=msg.request_id, index=msg.index)
-
-
 class Gateway(Actor):
     name = "gateway"
 
@@ -94,7 +51,7 @@ class Gateway(Actor):
         self.metrics = GatewayMetrics()
         self._identity = f"gateway-{os.getpid()}-{uuid.uuid4().hex[:12]}".encode()
         self._api_keys = [key.encode() for key in config.api_key_list]
-        self._calls: dict[str, _Call] = {}
+        self._calls: dict[str, Call] = {}
         self._num_in_flight = 0
         self._is_draining = False
         self._status: StatusReply | None = None
@@ -309,7 +266,7 @@ class Gateway(Actor):
         """Send one generation per prompt and answer the call from their chunks; the failure of any fails the call,
         and whatever is still running upstream when the call ends is aborted."""
         timeout_s = self.config.request_timeout_s
-        call = _Call([g.request_id for g in parsed.generates], asyncio.Queue(),
+        call = Call([g.request_id for g in parsed.generates], asyncio.Queue(),
                      RequestOutput(parsed.n, len(parsed.generates)),
                      asyncio.get_running_loop().time() + timeout_s if timeout_s else math.inf, timeout_s)
         self._calls.update(dict.fromkeys(call.request_ids, call))
@@ -348,14 +305,14 @@ class Gateway(Actor):
         for prompt, prompt_text in enumerate(await asyncio.gather(*map(text, generates))):
             output.echo(prompt, prompt_text)
 
-    async def _whole(self, parsed: ParsedRequest, call: _Call) -> web.Response:
+    async def _whole(self, parsed: ParsedRequest, call: Call) -> web.Response:
         while not call.output.is_finished:
             await call.next_chunk()
         build = chat_response if parsed.is_chat else completion_response
         return json_response(build(parsed.request_id, parsed.model, int(time.time()), call.output,
                                    parsed.has_logprobs))
 
-    async def _stream(self, request: web.Request, parsed: ParsedRequest, call: _Call,
+    async def _stream(self, request: web.Request, parsed: ParsedRequest, call: Call,
                       first: GenerateChunk) -> web.StreamResponse:
         """SSE: role chunks (chat), one event per GenerateChunk, the usage chunk, [DONE]; errors as events."""
         response = web.StreamResponse(headers=SSE_HEADERS)
@@ -370,7 +327,7 @@ class Gateway(Actor):
             log.info("client disconnected mid-stream", request_id=call.request_id)
         return response
 
-    async def _stream_events(self, response: web.StreamResponse, parsed: ParsedRequest, call: _Call,
+    async def _stream_events(self, response: web.StreamResponse, parsed: ParsedRequest, call: Call,
                              first: GenerateChunk, created: int) -> None:
         rid, model, usage = parsed.request_id, parsed.model, parsed.include_usage
         if parsed.is_chat:
@@ -395,7 +352,7 @@ class Gateway(Actor):
             await write_event(response, usage_chunk(rid, object_, model, created, call.output))
         await response.write(b"data: [DONE]\n\n")
 
-    def _record_finished(self, endpoint: str, call: _Call, started: float) -> None:
+    def _record_finished(self, endpoint: str, call: Call, started: float) -> None:
         if not call.output.is_finished:
             return
         self.metrics.e2e.labels(endpoint).observe(time.monotonic() - started)
@@ -509,11 +466,6 @@ class Gateway(Actor):
 
     def _model_card(self, model: str) -> dict[str, Any]:
         return {"id": model, "object": "model", "created": self._created_s, "owned_by": "radixserve"}
-
-
-def api_error(msg: GenerateError) -> ApiError:
-    return ApiError(msg.status, msg.message, type=msg.code, param=msg.param, code=msg.error_code,
-                    retry_after_s=msg.retry_after_s)
 
 
 class _OneLineServerLog:
