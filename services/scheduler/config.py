@@ -56,7 +56,10 @@ class SchedulerConfig:
     pending_ttl_s: float = field(
         default=5.0, metadata={"help": "seconds a routed prompt's blocks count as held by its worker before "
                                        "the index shows them (0: off)"})
-    redis_timeout_s: float = field(default=0.05, metadata={"help": "longest a prefix lookup may take"})
+    redis_timeout_s: float = field(default=0.05, metadata={
+        "help": "prefix lookup budget's floor; it adapts to 4 × recent p90 latency (CPU load included) up to the max"})
+    redis_timeout_max_s: float = field(default=0.5, metadata={
+        "help": "longest a prefix lookup may ever take (at least redis_timeout_s)"})
     redis_retry_s: float = field(default=5.0,
                                  metadata={"help": "after a Redis error, seconds of load-only routing before retrying"})
     pd_policy: str = field(default="auto", metadata={

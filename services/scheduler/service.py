@@ -19,6 +19,7 @@ import zmq.asyncio
 from services.scheduler.adoption import Adoption, Handovers
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.inflight import InFlight, InFlightTable
+from services.scheduler.lookup_budget import LookupBudget
 from services.scheduler.metrics import SchedulerMetrics, serve_metrics
 from services.scheduler.pending import PendingPrefixes, merge_prefixes
 from services.scheduler.pairing import LOCAL_ROLES, Pairing, make_pairing
@@ -68,7 +69,8 @@ class SchedulerService(Actor):
                               "messages to peers given up: an invalid address, no socket, a peer that reads "
                               "nothing (its queue full), a peer not connected", "reason", self._dropped_messages)
         self._redis: aioredis.Redis | None = None
-        self._redis_paused_until_s = 0.0  # monotonic; lookups skipped before it (after an error)
+        self._lookup_budget = LookupBudget(config.redis_timeout_s, max(config.redis_timeout_s, config.redis_timeout_max_s),
+                                           config.redis_retry_s)
         self._handlers = {TokenizedRequest: self._on_request, AbortRequest: self._on_abort,
                           WorkerHeartbeat: self._on_heartbeat, RequestFinished: self._on_finished,
                           WorkerGone: self._on_worker_gone, StatusRequest: self._on_status,
@@ -78,8 +80,8 @@ class SchedulerService(Actor):
     async def start(self) -> None:
         self._router = transport.bind(zmq.ROUTER, self.config.scheduler_addr)
         if self.config.redis_url:
-            self._redis = aioredis.from_url(self.config.redis_url, socket_timeout=self.config.redis_timeout_s,
-                                            socket_connect_timeout=self.config.redis_timeout_s)
+            self._redis = aioredis.from_url(self.config.redis_url, socket_timeout=self._lookup_budget.max_s,
+                                            socket_connect_timeout=self._lookup_budget.max_s)
         self.spawn(transport.receive_forever(self._router, SchedulerInbound, self._dispatch, has_identity=True),
                    "receive")
         self.every(min(MAX_TICK_S, self.config.heartbeat_timeout_s / 4), self._tick, "expiry")
@@ -156,21 +158,26 @@ class SchedulerService(Actor):
         now_s = time.monotonic()
         if self._redis is None or not request.block_hashes:
             return {}
-        if now_s < self._redis_paused_until_s:
+        budget = self._lookup_budget
+        if budget.is_paused(now_s):
             return None
+        timeout_s = budget.timeout_s()
         try:
-            cached = await asyncio.wait_for(redis_index.longest_prefix(self._redis, request.block_hashes),
-                                            self.config.redis_timeout_s)
+            cached = await asyncio.wait_for(redis_index.longest_prefix(self._redis, request.block_hashes), timeout_s)
         except REDIS_ERRORS as exc:
-            if not self._redis_paused_until_s:
-                log.warning("prefix lookup failed; routing on load alone", error=repr(exc))
             self.metrics.lookup_errors.inc()
-            self._redis_paused_until_s = now_s + self.config.redis_retry_s
+            was_failing = budget.paused_until_s > 0
+            if isinstance(exc, asyncio.TimeoutError) and not budget.on_timeout(time.monotonic()):
+                log.info("prefix lookup over its budget; this request routed on load alone", timeout_s=timeout_s)
+                return None
+            if not was_failing:
+                log.warning("prefix lookup failed; routing on load alone", error=repr(exc))
+            budget.on_error(now_s)
             return None
-        self.metrics.lookup_seconds.observe(time.monotonic() - now_s)
-        if self._redis_paused_until_s:
+        latency_s = time.monotonic() - now_s
+        self.metrics.lookup_seconds.observe(latency_s)
+        if budget.on_success(latency_s):
             log.info("prefix lookups recovered")
-            self._redis_paused_until_s = 0.0
         log.debug("prefix lookup", request_id=request.request_id, num_blocks=len(request.block_hashes),
                   num_cached_blocks=cached)
         return cached
