@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.gpu_worker.attention.base import AttentionMetadata
+from services.gpu_worker.attention.base import AttentionMetadata, LayerAttention
 from services.gpu_worker.attention.torch_ref import TorchAttention
 from services.gpu_worker.attention.triton_backend import TritonAttention
 from services.gpu_worker.kernels.rope import rope_ref
@@ -64,6 +64,40 @@ def test_forward_rope_equals_the_reference(new_and_cached, fuse_decode, mixed_to
     backend = TritonAttention(num_sms=4, fuse_decode=fuse_decode, mixed_decodes_to_decode_kernel=mixed_to_decode)
     out = backend.forward_rope(0, q, k, v, positions, inv_freq, cache, meta)
     assert rel_err(out, ref) < 2e-3
+    assert rel_err(cache.k, ref_cache.k) < 1e-5 and torch.equal(cache.v, ref_cache.v)
+
+
+GEMMA_LIKE = {
+    "local": LayerAttention(scale=0.3, softcap=1.5, sliding_window=5),  # a window of about one page
+    "global": LayerAttention(scale=0.3, softcap=1.5),
+    "window_only": LayerAttention(sliding_window=9),
+}
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["forward_rope", "forward"])
+@pytest.mark.parametrize("name", list(GEMMA_LIKE))
+@pytest.mark.parametrize("new_and_cached", [
+    [(1, 8), (1, 0), (5, 7), (3, 0), (1, 13)],  # mixed: decodes first, chunks, a decode among the chunks
+    [(1, 20), (1, 3), (1, 6)],  # decode-only
+], ids=["mixed", "decode_only"])
+def test_layer_attention_equals_the_reference(new_and_cached, name, fused):
+    """A layer's scale, soft-cap and window through forward() (the Gemma 2 path: RoPE applied by the model) and
+    forward_rope(), decode-only and mixed steps: the torch backend's outputs and cache."""
+    spec = GEMMA_LIKE[name]
+    q, k, v, positions, inv_freq, cache, meta = _step(new_and_cached, seed=1)
+    q = q * 2  # logits of a few units: the cap bends them
+    ref_cache = KVCache(1, cache.num_pages, PAGE, cache.k.shape[3], cache.k.shape[4], torch.float32, DEVICE)
+    ref_cache.k.copy_(cache.k)
+    ref_cache.v.copy_(cache.v)
+    ref_q, ref_k = rope_ref(q, k, positions, inv_freq)
+    ref = TorchAttention().forward(0, ref_q, ref_k, v, ref_cache, meta, spec)
+    plain = TorchAttention().forward(0, ref_q, ref_k, v, ref_cache, meta)
+    backend = TritonAttention(num_sms=4)
+    if fused:
+        out = backend.forward_rope(0, q, k, v, positions, inv_freq, cache, meta, spec)
+    else:
+        out = backend.forward(0, ref_q, ref_k, v, cache, meta, spec)
+    assert rel_err(out, ref) < 1e-4 and rel_err(plain, ref) > 0.05
     assert rel_err(cache.k, ref_cache.k) < 1e-5 and torch.equal(cache.v, ref_cache.v)
 
 

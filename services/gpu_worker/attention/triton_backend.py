@@ -1,4 +1,5 @@
-"""The Triton attention backend of the CUDA path: KV write, split-K paged decode, paged extend/prefill."""
+"""The Triton attention backend of the CUDA path: KV write, split-K paged decode, paged extend/prefill; a layer's
+LayerAttention (scale, soft-cap, sliding window) goes to the kernels, which compile a variant for it."""
 from __future__ import annotations
 
 import torch
@@ -35,14 +36,13 @@ class TritonAttention(AttentionBackend):
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cache: KVCache, meta: AttentionMetadata, spec: LayerAttention = DEFAULT_ATTENTION) -> torch.Tensor:
-        if not spec.is_default:  # NOTE: the kernels have no soft-cap, window or other scale; models refuse earlier
-            raise NotImplementedError(f"the Triton attention backend cannot compute {spec}; use the torch backend")
         k_cache, v_cache = cache.k[layer], cache.v[layer]  # [P, S, KVH, D]
         kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self._attend(q, k_cache, v_cache, meta)
+        return self._attend(q, k_cache, v_cache, meta, spec)
 
     def forward_rope(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                     inv_freq: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+                     inv_freq: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
+                     spec: LayerAttention = DEFAULT_ATTENTION) -> torch.Tensor:
         """forward() for un-rotated q and k. The leading sequences with one new token (decodes come first) run
         the split-K decode kernel with RoPE and the KV write inside it, when the step is decode-only or
         mixed_decodes_to_decode_kernel is set; the rest run RoPE + KV write in one kernel (rope_kv_write.py),
@@ -58,21 +58,21 @@ class TritonAttention(AttentionBackend):
             n = meta.num_leading_single
         if n == 0:
             rope_kv_write_(q, k, v, positions, inv_freq, k_cache, v_cache, meta.slot_mapping)
-            return self._attend(q, k_cache, v_cache, meta)
+            return self._attend(q, k_cache, v_cache, meta, spec)
         out = torch.empty_like(q)
         num_splits = num_splits_for(n, k_cache.shape[2], self.num_sms)
         decode_attention_rope(q[:n], k[:n], v[:n], positions[:n], inv_freq, k_cache, v_cache, meta.slot_mapping[:n],
-                              meta.page_table[:n], meta.seq_lens[:n], num_splits, out=out[:n])
+                              meta.page_table[:n], meta.seq_lens[:n], num_splits, out=out[:n], spec=spec)
         if n < meta.num_seqs:
             rope_kv_write_(q[n:], k[n:], v[n:], positions[n:], inv_freq, k_cache, v_cache, meta.slot_mapping[n:])
             extend_attention(q, k_cache, v_cache, meta.query_start[n:], meta.seq_lens[n:], meta.page_table[n:],
-                             meta.max_query_len, out=out)
+                             meta.max_query_len, out=out, spec=spec)
         return out
 
     def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, spec: LayerAttention) -> torch.Tensor:
         if meta.is_decode_only:
             num_splits = num_splits_for(q.shape[0], k_cache.shape[2], self.num_sms)
-            return decode_attention(q, k_cache, v_cache, meta.page_table, meta.seq_lens, num_splits)
+            return decode_attention(q, k_cache, v_cache, meta.page_table, meta.seq_lens, num_splits, spec=spec)
         return extend_attention(q, k_cache, v_cache, meta.query_start, meta.seq_lens, meta.page_table,
-                                meta.max_query_len)
+                                meta.max_query_len, spec=spec)

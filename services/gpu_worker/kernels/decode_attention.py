@@ -10,6 +10,11 @@ q and k, rotates them in registers, attends to the cached keys [0, seq_len - 1) 
 registers, and the split that owns position seq_len - 1 writes the rotated k and v into their cache slot.
 That is one launch fewer per layer.
 
+A layer's LayerAttention (attention/base.py: Gemma 2) picks other variants at compile time: SOFTCAP (logits →
+SOFTCAP · tanh(logits / SOFTCAP) before the softmax) and WINDOW (the query at seq_len - 1 sees keys
+[seq_len - WINDOW, seq_len) only). With a window the splits cut the window's keys instead of [0, seq_len), so tiles
+before it are never read. Both 0 (the default) compile to the kernel without them.
+
 NOTE: merging the splits in the same kernel (the last program to finish, found by an atomic ticket, merging its
 head group) was measured slower than the separate reduce kernel: 1.34× the layer's attention at batch 1, 1.21× at
 8 sequences. The ticket's barrier, release-acquire atomic and the merge's L2 loads sit on the critical path and cost
@@ -24,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from services.gpu_worker.attention.base import DEFAULT_ATTENTION, LayerAttention
 from services.gpu_worker.kernels import paging, v_pairs
 from services.gpu_worker.kv_cache import FP8_DTYPES, is_v_pairs
 
@@ -96,11 +102,28 @@ def _rotate_row(x_ptrs, partner_ptrs, cos, sin, is_first_half, mask):
     return tl.where(is_first_half, x * cos - xp * sin, x * cos + xp * sin)
 
 
+def spec_args(spec: LayerAttention, head_dim: int) -> tuple[float, dict]:
+    """A layer's attention as the kernels take it: (sm_scale, {SOFTCAP, WINDOW} constexprs, 0 where off)."""
+    scale = 1.0 / math.sqrt(head_dim) if spec.scale is None else spec.scale
+    return scale, {"SOFTCAP": float(spec.softcap or 0.0), "WINDOW": int(spec.sliding_window or 0)}
+
+
 @triton.jit
-def attend_one(q, k_row, v_row, qk_scale, valid, m_i, l_i, acc, P_DTYPE: tl.constexpr):
+def soft_cap(x, SOFTCAP: tl.constexpr):
+    """SOFTCAP · tanh(x) · log2(e), fp32: the capped logits in exp2's units, for x = logits / SOFTCAP. tanh through
+    exp2 of -2|x| (no overflow; the interpreter has no libdevice tanh)."""
+    t = tl.exp2(-2.8853900817779268 * tl.abs(x))  # exp(-2|x|)
+    tanh_abs = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -tanh_abs, tanh_abs) * (SOFTCAP * 1.4426950408889634)
+
+
+@triton.jit
+def attend_one(q, k_row, v_row, qk_scale, valid, m_i, l_i, acc, P_DTYPE: tl.constexpr, SOFTCAP: tl.constexpr):
     """The online softmax's update by one key (k_row, v_row [D]) if `valid`, on CUDA cores; p rounded to P_DTYPE
-    as the loop's p is. Returns (m_i, l_i, acc)."""
+    as the loop's p is; qk_scale as the loop's (sm_scale / SOFTCAP with a soft-cap). Returns (m_i, l_i, acc)."""
     s = tl.sum(q.to(tl.float32) * k_row.to(tl.float32)[None, :], axis=1) * qk_scale  # [BLOCK_H]
+    if SOFTCAP > 0:
+        s = soft_cap(s, SOFTCAP)
     s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(m_i, s)
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # an empty split without the key stays empty
@@ -118,7 +141,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, vw_ptr, table_ptr, seq_lens_ptr, o
                    stride_knb, stride_knh, stride_vnb, stride_vnh,
                    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, NEW_TOKEN: tl.constexpr,
-                   F16_DOT: tl.constexpr, V_PAIRS: tl.constexpr, V_ASM: tl.constexpr, OFF64: tl.constexpr):
+                   F16_DOT: tl.constexpr, V_PAIRS: tl.constexpr, V_ASM: tl.constexpr, OFF64: tl.constexpr,
+                   SOFTCAP: tl.constexpr, WINDOW: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -126,6 +150,14 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, vw_ptr, table_ptr, seq_lens_ptr, o
     seq_len = tl.load(seq_lens_ptr + b)
     chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
+    if WINDOW:  # the splits cut [lo, seq_len) (from lo - 1 for an odd lo with V in pairs: an even start)
+        lo = tl.maximum(seq_len - WINDOW, 0)  # the window's first key
+        if V_PAIRS:
+            base = lo - lo % 2
+        else:
+            base = lo
+        chunk = tl.cdiv(tl.cdiv(seq_len - base, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = base + split * chunk
     end = tl.minimum(start + chunk, seq_len)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -155,14 +187,18 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, vw_ptr, table_ptr, seq_lens_ptr, o
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     qk_scale = sm_scale * 1.4426950408889634  # log2(e): exp2 below
+    if SOFTCAP > 0:  # soft_cap's tanh takes logits / SOFTCAP and gives log2 units
+        qk_scale = sm_scale / SOFTCAP
     kv_end = tl.minimum(end, cache_end)
     dot_dtype: tl.constexpr = tl.float16 if F16_DOT else q_ptr.dtype.element_ty
     # V in key pairs: the loop stops at an even key, and an odd last key is attended to on its own below
-    # (v_pairs.load_pairs says why); splits start at multiples of BLOCK_N, even
+    # (v_pairs.load_pairs says why); splits start at even keys (multiples of BLOCK_N, or after `base`)
     loop_end = kv_end - kv_end % 2 if V_PAIRS else kv_end
     for n0 in range(start, loop_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < loop_end
+        if WINDOW:  # masks key lo - 1 alone: V in pairs, a first tile from base = lo - 1 (it shares lo's word)
+            n_mask = n_mask & (offs_n >= lo)
         slot = paging.slot_of(table_ptr + b * stride_tb, offs_n, n_mask, PAGE_SIZE, OFF64)
         kv_off = slot[:, None] * stride_cs + kvh * stride_ch + offs_d[None, :]  # [BLOCK_N, D]
         # NOTE: an FP8 cache is widened to q's dtype here (a no-op for a cache of q's dtype), or to fp16
@@ -174,6 +210,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, vw_ptr, table_ptr, seq_lens_ptr, o
         else:
             v = tl.load(v_ptr + kv_off, mask=n_mask[:, None], other=0.0).to(dot_dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_H, BLOCK_N] fp32, log2 units
+        if SOFTCAP > 0:
+            s = soft_cap(s, SOFTCAP)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -188,13 +226,15 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, vw_ptr, table_ptr, seq_lens_ptr, o
     if V_PAIRS:
         last = loop_end  # kv_end - 1 where kv_end is odd
         has_last = (kv_end % 2 == 1) & (last >= start)
+        if WINDOW:
+            has_last = has_last & (last >= lo)
         k_last, v_last = v_pairs.load_key(k_ptr, v_ptr, table_ptr + b * stride_tb, last, has_last, kvh * stride_ch,
                                           offs_d, stride_cs, PAGE_SIZE)
-        m_i, l_i, acc = attend_one(q, k_last, v_last, qk_scale, has_last, m_i, l_i, acc, dot_dtype)
+        m_i, l_i, acc = attend_one(q, k_last, v_last, qk_scale, has_last, m_i, l_i, acc, dot_dtype, SOFTCAP)
     if NEW_TOKEN:
         last = seq_len - 1
         owns = (start <= last) & (last < end)  # exactly one split of the sequence holds position seq_len - 1
-        m_i, l_i, acc = attend_one(q, k_new, v_new, qk_scale, owns, m_i, l_i, acc, dot_dtype)
+        m_i, l_i, acc = attend_one(q, k_new, v_new, qk_scale, owns, m_i, l_i, acc, dot_dtype, SOFTCAP)
         new_slot = tl.load(slot_ptr + b).to(tl.int64)
         write = tl.where(owns, offs_d < HEAD_DIM, False)  # NOTE: not `tensor & scalar` (the interpreter's mask dtype)
         tl.store(k_ptr + new_slot * stride_cs + kvh * stride_ch + offs_d, k_new, mask=write)
@@ -233,7 +273,7 @@ def num_splits_for(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
     return min(MAX_SPLITS, 1 << (want - 1).bit_length())
 
 
-def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_token, tile, pairs):
+def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_token, tile, pairs, spec):
     num_seqs, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -253,14 +293,15 @@ def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_toke
     pairs = is_v_pairs(v_cache.dtype) if pairs is None else pairs
     assert not pairs or (v_cache.dtype in FP8_DTYPES and page_size % 2 == 0)
     asm = asm and pairs and f16_dot and not _INTERPRET
+    sm_scale, spec_constexprs = spec_args(spec, head_dim)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, v_cache.view(torch.int16) if pairs else v_cache, page_table, seq_lens, out, part, lse,
-        k_new, v_new, positions, inv_freq, slots, 1.0 / math.sqrt(head_dim),
+        k_new, v_new, positions, inv_freq, slots, sm_scale,
         q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
         out.stride(0), out.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, NEW_TOKEN=new_token is not None, F16_DOT=f16_dot, V_PAIRS=pairs,
-        V_ASM=asm, OFF64=paging.needs_off64(k_cache), num_warps=num_warps, num_stages=num_stages,
+        V_ASM=asm, OFF64=paging.needs_off64(k_cache), **spec_constexprs, num_warps=num_warps, num_stages=num_stages,
         **({"maxnreg": max_regs} if max_regs else {}))
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -270,47 +311,71 @@ def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_toke
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                      seq_lens: torch.Tensor, num_splits: int, out: torch.Tensor | None = None,
-                     tile: tuple | None = None, v_pairs: bool | None = None) -> torch.Tensor:
+                     tile: tuple | None = None, v_pairs: bool | None = None,
+                     spec: LayerAttention = DEFAULT_ATTENTION) -> torch.Tensor:
     """q: [B, H, D]; k_cache, v_cache: [P, S, KVH, D]; page_table: [B, max_pages] int32; seq_lens: [B] (≥ 1).
 
     Returns out [B, H, D]: softmax(q·Kᵀ/√D)·V over each sequence's keys [0, seq_len). tile: (keys per tile,
     warps, stages, fp16 dots, register cap or 0[, asm unpack]) of the split kernel; None: default_tile's.
     v_pairs: whether v_cache holds its keys in pairs (v_pairs.py); None: kv_cache.is_v_pairs.
+    spec: the layer's scale (instead of 1/√D), soft-cap and sliding window (keys [seq_len - window, seq_len)).
     """
-    return _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, None, tile, v_pairs)
+    return _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, None, tile, v_pairs, spec)
 
 
 def decode_attention_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                           inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           slot_mapping: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
                           num_splits: int, out: torch.Tensor | None = None,
-                          tile: tuple | None = None, v_pairs: bool | None = None) -> torch.Tensor:
+                          tile: tuple | None = None, v_pairs: bool | None = None,
+                          spec: LayerAttention = DEFAULT_ATTENTION) -> torch.Tensor:
     """rope_kv_write_ then decode_attention in one kernel, for a decode step (the new token of sequence b sits
     at position positions[b] = seq_lens[b] - 1, slot slot_mapping[b]).
 
     q: [B, H, D], k, v: [B, KVH, D] un-rotated (read, not changed); inv_freq: [D/2] fp32. Writes the rotated k
     and v into the caches and returns out [B, H, D]. q is not rotated in place (rope_kv_write_ does that).
-    tile, v_pairs: as decode_attention's.
+    tile, v_pairs, spec: as decode_attention's.
     """
     assert k.stride(2) == 1 and v.stride(2) == 1 and inv_freq.dtype == torch.float32
     return _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out,
-                   (k, v, positions, inv_freq, slot_mapping), tile, v_pairs)
+                   (k, v, positions, inv_freq, slot_mapping), tile, v_pairs, spec)
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-                         seq_lens: torch.Tensor) -> torch.Tensor:
+                         seq_lens: torch.Tensor, spec: LayerAttention = DEFAULT_ATTENTION) -> torch.Tensor:
     """fp32 per-sequence softmax attention over the gathered pages (GQA by repeating KV heads). The caches hold
     rows: pass an FP8 V cache of key pairs through kv_cache.v_rows first."""
-    num_seqs, num_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty_like(q)
-    for b in range(num_seqs):
+    for b in range(q.shape[0]):
         seq_len = int(seq_lens[b])
-        pages = page_table[b, : -(-seq_len // page_size)].long()
-        k = k_cache[pages].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()  # [L, KVH, D]
-        v = v_cache[pages].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
-        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [L, H, D]
-        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
-        scores = torch.einsum("hd,lhd->hl", q[b].float(), k) / math.sqrt(head_dim)
-        out[b] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v).to(q.dtype)
+        k, v = gather_ref(k_cache, v_cache, page_table[b], seq_len, q.shape[1])
+        q_pos = torch.tensor([seq_len - 1], device=q.device)
+        out[b] = attend_ref(q[b][None], k, v, q_pos, spec)[0].to(q.dtype)
     return out
+
+
+def gather_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, table_row: torch.Tensor, seq_len: int,
+               num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's keys and values [seq_len, H, D] fp32 from its pages (KV heads repeated for GQA)."""
+    _, page_size, num_kv_heads, head_dim = k_cache.shape
+    pages = table_row[: -(-seq_len // page_size)].long()
+    k = k_cache[pages].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()  # [L, KVH, D]
+    v = v_cache[pages].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+    return (k.repeat_interleave(num_heads // num_kv_heads, dim=1),
+            v.repeat_interleave(num_heads // num_kv_heads, dim=1))
+
+
+def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+               spec: LayerAttention) -> torch.Tensor:
+    """q: [n, H, D] at positions q_pos [n]; k, v: [L, H, D] fp32 → [n, H, D] fp32: each query over the keys
+    0 ≤ j ≤ its position (and within spec's window), logits scaled and soft-capped as spec says."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if spec.scale is None else spec.scale
+    scores = torch.einsum("nhd,lhd->hnl", q.float(), k) * scale
+    if spec.softcap is not None:
+        scores = torch.tanh(scores / spec.softcap) * spec.softcap
+    key_pos = torch.arange(k.shape[0], device=q.device)[None, :]
+    mask = key_pos <= q_pos[:, None]  # [n, L]
+    if spec.sliding_window is not None:
+        mask &= key_pos > q_pos[:, None] - spec.sliding_window
+    probs = scores.masked_fill(~mask[None], float("-inf")).softmax(-1)
+    return torch.einsum("hnl,lhd->nhd", probs, v)

@@ -5,17 +5,26 @@ plus the new tokens, which the caller has already written into the cache), varia
             0                 seq_len - q_len        seq_len
 
 Grid (cdiv(max_query_len, BLOCK_M), B, H): one program, BLOCK_M new tokens of one query head.
+
+A layer's LayerAttention picks variants at compile time, as in decode_attention.py: SOFTCAP (logits soft-capped
+before the softmax) and WINDOW (the query at position p sees keys (p - WINDOW, p]; a program's key loop starts at
+its first query's window, so tiles before it are not read). Both 0 (the default) compile to the kernel without them.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
 import triton.language as tl
 
+from services.gpu_worker.attention.base import DEFAULT_ATTENTION, LayerAttention
 from services.gpu_worker.kernels import paging, v_pairs
-from services.gpu_worker.kernels.decode_attention import attend_one
+from services.gpu_worker.kernels.decode_attention import (
+    attend_one,
+    attend_ref,
+    gather_ref,
+    soft_cap,
+    spec_args,
+)
 from services.gpu_worker.kv_cache import is_v_pairs
 
 
@@ -26,7 +35,8 @@ from services.gpu_worker.kv_cache import is_v_pairs
 def _extend_kernel(q_ptr, k_ptr, v_ptr, vw_ptr, out_ptr, qstart_ptr, seq_lens_ptr, table_ptr, sm_scale,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_cs, stride_ch, stride_tb,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, V_PAIRS: tl.constexpr, OFF64: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, V_PAIRS: tl.constexpr, OFF64: tl.constexpr,
+                   SOFTCAP: tl.constexpr, WINDOW: tl.constexpr):
     m_block = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -48,11 +58,22 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, vw_ptr, out_ptr, qstart_ptr, seq_lens_pt
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     qk_scale = sm_scale * 1.4426950408889634
+    if SOFTCAP > 0:  # soft_cap's tanh takes logits / SOFTCAP and gives log2 units
+        qk_scale = sm_scale / SOFTCAP
     # V in key pairs: the loop stops at an even key, and an odd last key is attended to on its own below
     loop_end = end - end % 2 if V_PAIRS else end
-    for n0 in range(0, loop_end, BLOCK_N):
+    loop_start = 0
+    if WINDOW:  # from the first key the block's first query sees (the key before it too, for an even start)
+        lo = tl.maximum(prefix + m_block * BLOCK_M - WINDOW + 1, 0)
+        if V_PAIRS:
+            loop_start = lo - lo % 2
+        else:
+            loop_start = lo
+    for n0 in range(loop_start, loop_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < loop_end
+        if WINDOW:
+            n_mask = n_mask & (offs_n >= lo)
         slot = paging.slot_of(table_ptr + b * stride_tb, offs_n, n_mask, PAGE_SIZE, OFF64)
         kv_off = slot[:, None] * stride_cs + kvh * stride_ch + offs_d[None, :]
         # NOTE: an FP8 cache is widened to q's dtype here (a no-op for a cache of q's dtype)
@@ -64,7 +85,11 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, vw_ptr, out_ptr, qstart_ptr, seq_lens_pt
         else:
             v = tl.load(v_ptr + kv_off, mask=n_mask[:, None], other=0.0).to(q_ptr.dtype.element_ty)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if SOFTCAP > 0:
+            s = soft_cap(s, SOFTCAP)
         allowed = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        if WINDOW:
+            allowed = allowed & (offs_n[None, :] > q_pos[:, None] - WINDOW)
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padded query rows see no key
@@ -83,7 +108,10 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, vw_ptr, out_ptr, qstart_ptr, seq_lens_pt
         k_last, v_last = v_pairs.load_key(k_ptr, v_ptr, table_ptr + b * stride_tb, last, has_last, kvh * stride_ch,
                                           offs_d, stride_cs, PAGE_SIZE)
         allowed = tl.where(has_last, last <= q_pos, False)  # [BLOCK_M], causal
-        m_i, l_i, acc = attend_one(q, k_last, v_last, qk_scale, allowed, m_i, l_i, acc, q_ptr.dtype.element_ty)
+        if WINDOW:
+            allowed = allowed & (last > q_pos - WINDOW)
+        m_i, l_i, acc = attend_one(q, k_last, v_last, qk_scale, allowed, m_i, l_i, acc, q_ptr.dtype.element_ty,
+                                   SOFTCAP)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
@@ -91,9 +119,11 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, vw_ptr, out_ptr, qstart_ptr, seq_lens_pt
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start: torch.Tensor,
                      seq_lens: torch.Tensor, page_table: torch.Tensor, max_query_len: int,
-                     block_m: int = 64, block_n: int = 64, out: torch.Tensor | None = None) -> torch.Tensor:
+                     block_m: int = 64, block_n: int = 64, out: torch.Tensor | None = None,
+                     spec: LayerAttention = DEFAULT_ATTENTION) -> torch.Tensor:
     """q: [T, H, D]; caches [P, S, KVH, D] already holding the new K/V (an FP8 V in key pairs: kv_cache.py);
-    query_start: [B+1]; seq_lens: [B]; page_table: [B, max_pages] → out [T, H, D].
+    query_start: [B+1]; seq_lens: [B]; page_table: [B, max_pages] → out [T, H, D]. spec: the layer's scale,
+    soft-cap and sliding window.
 
     query_start holds row indices into q and out, so a batch's tail of sequences can be passed alone (views
     query_start[n:], seq_lens[n:], page_table[n:]) with the whole q and out: only those rows are written."""
@@ -106,32 +136,25 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert q.stride(2) == 1 and k_cache.is_contiguous() and v_cache.stride() == k_cache.stride()
     pairs = is_v_pairs(v_cache.dtype)
     grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
+    sm_scale, spec_constexprs = spec_args(spec, head_dim)
     _extend_kernel[grid](
         q, k_cache, v_cache, v_cache.view(torch.int16) if pairs else v_cache, out, query_start, seq_lens, page_table,
-        1.0 / math.sqrt(head_dim),
+        sm_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(1), k_cache.stride(2),
         page_table.stride(0), GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, V_PAIRS=pairs, OFF64=paging.needs_off64(k_cache), num_warps=4,
-        num_stages=2)
+        BLOCK_M=block_m, BLOCK_N=block_n, V_PAIRS=pairs, OFF64=paging.needs_off64(k_cache), **spec_constexprs,
+        num_warps=4, num_stages=2)
     return out
 
 
 def extend_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start: torch.Tensor,
-                         seq_lens: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
+                         seq_lens: torch.Tensor, page_table: torch.Tensor,
+                         spec: LayerAttention = DEFAULT_ATTENTION) -> torch.Tensor:
     """fp32 causal attention per sequence over its gathered pages, of caches of rows (kv_cache.v_rows)."""
-    num_tokens, num_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty_like(q)
     for b in range(seq_lens.shape[0]):
         start, end, seq_len = int(query_start[b]), int(query_start[b + 1]), int(seq_lens[b])
-        pages = page_table[b, : -(-seq_len // page_size)].long()
-        k = k_cache[pages].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
-        v = v_cache[pages].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
-        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [L, H, D]
-        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        k, v = gather_ref(k_cache, v_cache, page_table[b], seq_len, q.shape[1])
         q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [n, L]
-        scores = torch.einsum("nhd,lhd->hnl", q[start:end].float(), k) / math.sqrt(head_dim)
-        probs = scores.masked_fill(~mask[None], float("-inf")).softmax(-1)
-        out[start:end] = torch.einsum("hnl,lhd->nhd", probs, v).to(q.dtype)
+        out[start:end] = attend_ref(q[start:end], k, v, q_pos, spec).to(q.dtype)
     return out

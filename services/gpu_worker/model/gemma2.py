@@ -6,8 +6,9 @@ What differs from llama.py: the embedding scaled by sqrt(hidden); RMSNorm weight
 (cap · tanh(logits / cap)); local layers (layer_types "sliding_attention", the even ones by default) attend to a
 sliding window; the LM head's logits soft-capped too. The checkpoint's tensor names are the model's.
 
-Attention soft-capping and windows run on the torch attention backend (attention/torch_ref.py) only: the Triton
-kernels lack them, so the CUDA path (enable_fused_kernels) refuses the model rather than compute it wrong.
+Both attention backends apply each layer's soft-cap and window: the torch reference (attention/torch_ref.py) and
+the Triton kernels (compiled variants; decode reads only the window's tiles). On the CUDA path the model keeps its
+torch forward around the Triton attention (model/fused.py knows only Llama's blocks).
 NOTE: every layer keeps its whole KV; a local layer only reads the window of it.
 """
 from __future__ import annotations
@@ -139,14 +140,13 @@ class Gemma2Stack(nn.Module):
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
-    """llama.py's model over Gemma 2's blocks: the same forward/logits/load_weights contract, torch only."""
+    """llama.py's model over Gemma 2's blocks: the same forward/logits/load_weights contract."""
 
     stack_class = Gemma2Stack
 
     def enable_fused_kernels(self) -> None:
-        raise ValueError("Gemma 2 needs attention soft-capping and sliding-window layers, which the Triton attention "
-                         "kernels lack: run it on the torch attention backend (EngineConfig.attention_backend="
-                         "'torch', the default off CUDA)")
+        """Nothing to fuse: fused.py's forward is Llama's blocks (two norms, SiLU MLP), so the torch forward stays
+        and only its attention runs on the Triton backend."""
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: [T] → [T, hidden]: the rows times sqrt(hidden), that factor rounded to their dtype as in HF."""
