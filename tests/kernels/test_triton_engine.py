@@ -10,7 +10,7 @@ import torch
 
 from services.gpu_worker.engine import Engine
 from services.gpu_worker.engine_config import EngineConfig
-from services.gpu_worker.model.loader import load_model
+from services.gpu_worker.model.loader import LoadedModel, load_model
 from services.gpu_worker.request import SamplingParams
 from tests.kernels.helpers import DEVICE, gpu_only
 
@@ -53,6 +53,45 @@ def test_triton_engine_equals_torch_cpu_interpreter():
                     max_num_batched_tokens=8)
     assert [s.token_ids for s in got] == [s.token_ids for s in ref]
     assert _assert_same_greedy(ref, got, 1e-4) == 6
+
+
+def _tiny_gemma2() -> LoadedModel:
+    """A two-layer Gemma 2 (a local layer with a window of 6, under one 16-token page, then a global one), random
+    weights large enough that the logits reach the soft-cap of 2."""
+    from services.gpu_worker.model.gemma2 import checkpoint_shapes, config_from_hf
+
+    cfg = config_from_hf({
+        "architectures": ["Gemma2ForCausalLM"], "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "sliding_window": 6, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 2.0,
+        "final_logit_softcapping": 3.0}, "tiny-gemma2")
+    gen = torch.Generator().manual_seed(5)
+    std = {"embed": 1.0, "norm": 0.3, "q_proj": 0.25, "k_proj": 0.25}
+    state = {}
+    for name, shape in checkpoint_shapes(cfg).items():
+        kind = next((k for k in std if k in name), None)
+        state[name] = torch.randn(shape, generator=gen) * std.get(kind, shape[-1] ** -0.5)
+    return LoadedModel(cfg, state, None, None)
+
+
+def test_gemma2_triton_engine_equals_torch_cpu_interpreter():
+    """Soft-capped and sliding-window layers on the Triton kernels (chunked prefill: mixed steps; decodes past
+    the window) give the torch backend's tokens and logprobs."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter (CPU) only")
+    loaded = _tiny_gemma2()
+    prompts = _prompts(loaded.config.vocab_size, 3, 14)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2)
+    runs = []
+    for backend in ("torch", "triton"):
+        config = EngineConfig(model="tiny-gemma2", device=DEVICE, dtype="float32", num_pages=64, page_size=16,
+                              attention_backend=backend, max_num_batched_tokens=8)
+        engine = Engine(config, loaded=loaded)
+        assert engine.backend.name == backend
+        runs.append([r.samples[0] for r in engine.generate(prompts, params)])
+    ref, got = runs
+    assert [s.token_ids for s in got] == [s.token_ids for s in ref]
+    assert _assert_same_greedy(ref, got, 1e-4) == 3 * 4
 
 
 @pytest.mark.gpu
