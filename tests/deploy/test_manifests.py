@@ -231,7 +231,10 @@ def test_autoscalers_read_metrics_that_metrics_serves() -> None:
                    if r["kind"] == "HorizontalPodAutoscaler" for m in r["spec"]["metrics"] if m["type"] == "External"}
     assert hpa_metrics == external == {"radixserve_waiting_requests", "radixserve_worker_kv_usage",
                                        "radixserve_prefill_waiting_requests"}
+    kubernetes_validate.validate(adapter, K8S_VERSIONS[-1], strict=True)
     keda = yaml.safe_load((KUBE / "autoscaling" / "keda-scaledobject.yaml").read_text())
+    gpu_deployments = {r["metadata"]["name"] for r in render_overlay("gpu") if r["kind"] == "Deployment"}
+    assert keda["spec"]["scaleTargetRef"]["name"] in gpu_deployments
     assert {n for t in keda["spec"]["triggers"] for n in re.findall(r"radixserve_[a-z_]+", t["metadata"]["query"])
             } <= served
     docs = (ROOT / "docs" / "DEPLOY.md").read_text()
