@@ -3,7 +3,7 @@
     python deploy/kubernetes/render.py deploy/kubernetes/overlays/cpu > cpu.yaml
 
 Supported fields: resources (files and kustomization directories), components, patches (JSON 6902 operations from a
-file or inline, targeted by kind, name and labelSelector), namePrefix/nameSuffix (on metadata.name only: no
+file or inline, targeted by kind, current name and labelSelector), namePrefix/nameSuffix (on metadata.name only: no
 references are rewritten, so use them only where nothing refers to the renamed object), images (newName, newTag)
 and replicas. Any other field is refused, so a kustomization that outgrows this renderer fails loudly; where
 kubectl is installed, tests/deploy compares this output with `kubectl kustomize`.
@@ -48,12 +48,12 @@ def _build(root: Path, is_component: bool, inherited: list[Resource]) -> list[Re
     for patch in kustomization.get("patches", []):
         _apply_patch(root, patch, resources)
     for resource in resources:
-        _rename(resource, kustomization.get("namePrefix", ""), kustomization.get("nameSuffix", ""))
         for image in kustomization.get("images", []):
             _set_image(resource, image)
-        for replicas in kustomization.get("replicas", []):
+        for replicas in kustomization.get("replicas", []):  # NOTE: by the name before this level's prefix/suffix
             if resource["metadata"]["name"] == replicas["name"] and "replicas" in resource.get("spec", {}):
                 resource["spec"]["replicas"] = replicas["count"]
+        _rename(resource, kustomization.get("namePrefix", ""), kustomization.get("nameSuffix", ""))
     return resources
 
 
