@@ -267,8 +267,8 @@ class Gateway(Actor):
         and whatever is still running upstream when the call ends is aborted."""
         timeout_s = self.config.request_timeout_s
         call = Call([g.request_id for g in parsed.generates], asyncio.Queue(),
-                     RequestOutput(parsed.n, len(parsed.generates)),
-                     asyncio.get_running_loop().time() + timeout_s if timeout_s else math.inf, timeout_s)
+                    RequestOutput(parsed.n, len(parsed.generates)),
+                    asyncio.get_running_loop().time() + timeout_s if timeout_s else math.inf, timeout_s)
         self._calls.update(dict.fromkeys(call.request_ids, call))
         reason = "client_disconnected"
         try:
@@ -324,7 +324,7 @@ class Gateway(Actor):
             except ApiError as exc:
                 await write_event(response, exc.body())
         except ConnectionResetError:
-            log.info("client disconnected mid-stream", request_id=call.request_id)
+            log.info("client disconnected mid-stream", request_id=parsed.request_id)
         return response
 
     async def _stream_events(self, response: web.StreamResponse, parsed: ParsedRequest, call: Call,
@@ -366,8 +366,12 @@ class Gateway(Actor):
                          _identity: bytes | None) -> None:
         future = self._tokenizer_polls.get(msg.request_id)
         if future is not None:
-            if not future.done():
-                future.set_exception(api_error(msg)) if isinstance(msg, GenerateError) else future.set_result(msg)
+            if future.done():
+                return
+            if isinstance(msg, GenerateError):
+                future.set_exception(api_error(msg))
+            else:
+                future.set_result(msg)
             return
         if isinstance(msg, (TokenizeReply, DetokenizeReply)):
             log.debug("reply for a request no longer waited for", request_id=msg.request_id)
