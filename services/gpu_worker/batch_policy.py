@@ -21,6 +21,7 @@ from services.gpu_worker.sequence import Sequence, SeqStatus
 from shared.hashing import hash_blocks
 
 EVICT_BATCH_FRACTION = 1 / 256  # of the pool's pages, freed beyond the shortfall when eviction runs
+RUNNING_PER_ADMITTED = 16  # admission in batches asks for one sequence per this many running (see _defers_admission)
 LONG_PREFILL_DIVISOR = 4  # a prompt is long past max_num_batched_tokens / this many tokens left to compute
 
 
@@ -171,16 +172,20 @@ class BatchPolicy:
     def _defers_admission(self, plan: StepPlan) -> bool:
         """Whether a step of decodes alone leaves the waiting sequences for a later step.
 
-        A step with a prompt chunk runs eager; one of decodes alone replays a CUDA graph. Admitting one or two
-        sequences each step turns every step eager, so (min_admit_batch > 1) they wait until min_admit_batch of them
-        can start in one step, or for max_admit_delay_steps steps at most. Never when nothing runs or a prompt chunk
-        is in the step already."""
+        A step with a prompt chunk runs eager; one of decodes alone replays a CUDA graph. On the H200 an eager step of
+        Llama-8B costs the host ~36 ms to launch against ~3 ms for a replay, so admitting the one or two sequences
+        that finish each step made every step eager and the host the bottleneck (W6 offline: 6,849-8,261 tok/s, the
+        host waiting for the GPU 0.3-1.7 % of the time; admitting 16 at once: 11,228-11,309, docs/PERFORMANCE.md).
+        So waiting sequences start together, min(min_admit_batch, running / RUNNING_PER_ADMITTED) of them at least,
+        or after max_admit_delay_steps steps of waiting; never held when few run (that batch is then 1), when
+        nothing runs, or when a prompt chunk is in the step already."""
         if self.min_admit_batch <= 1 or not self.waiting or not plan.items:
             return False
         if any(item.num_new_tokens > 1 for item in plan.items):
             return False
+        batch = min(self.min_admit_batch, len(self.running) // RUNNING_PER_ADMITTED)
         num_ready = min(self.max_num_seqs - len(self.running), len(self.waiting))
-        return num_ready < self.min_admit_batch and self.num_deferred_steps < self.max_admit_delay_steps
+        return num_ready < batch and self.num_deferred_steps < self.max_admit_delay_steps
 
     def _pages_in_flight(self) -> set[int]:
         """Block hashes of full pages that running sequences have yet to compute."""

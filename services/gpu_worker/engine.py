@@ -145,6 +145,8 @@ class Engine:
         # step's decodes reuse the graphs' compiles; torch's index_copy_ (the torch backend) takes int64 only
         self._index_dtype = torch.int32 if self.backend.name == "triton" else torch.long
         self.graphs = self._setup_cuda_path(config)
+        self.policy.min_admit_batch = config.resolved_min_admit_batch(self.graphs is not None)
+        self.policy.max_admit_delay_steps = config.max_admit_delay_steps
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids)
         self._requests: dict[str, list[Sequence]] = {}

@@ -22,6 +22,7 @@ CUDA_MAX_NUM_BATCHED_TOKENS = 8192
 AUTO_TOKENS_PER_SEQ = 2048  # CUDA: room for this many tokens per running sequence before any is preempted
 AUTO_NUM_SEQS_MULTIPLE = 16
 MIN_AUTO_NUM_SEQS, MAX_AUTO_NUM_SEQS = 16, 1024
+CUDA_GRAPH_MIN_ADMIT_BATCH = 16
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,11 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     max_model_len: int | None = None
+    # Admission in batches (BatchPolicy._defers_admission): a step of decodes alone admits waiting sequences once this
+    # many can start together (at most one per 16 running), or after max_admit_delay_steps steps. None: 16 where decode
+    # steps replay CUDA graphs (an eager step costs the host ~36 ms on the H200, a replay ~3 ms), else 1 (off).
+    min_admit_batch: int | None = None
+    max_admit_delay_steps: int = 8
     enable_prefix_cache: bool = True
     enable_chunked_prefill: bool = True
     attention_backend: str = "auto"  # "auto": triton on cuda, torch elsewhere
@@ -81,6 +87,8 @@ class EngineConfig:
             raise ValueError("warmup runs on a single-rank engine only (tensor-parallel ranks step in lockstep)")
         if self.gemv_max_tokens is not None:
             check_gemv_max_tokens(self.gemv_max_tokens)
+        if (self.min_admit_batch is not None and self.min_admit_batch < 1) or self.max_admit_delay_steps < 0:
+            raise ValueError("min_admit_batch must be >= 1 and max_admit_delay_steps >= 0")
         if any(v is not None and v < 1 for v in (self.max_num_batched_tokens, self.max_num_seqs)):
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1 (or None: from the device)")
 
@@ -114,6 +122,11 @@ class EngineConfig:
 
     def resolved_kv_dtype(self) -> torch.dtype:
         return self.resolved_dtype() if self.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[self.kv_cache_dtype]
+
+    def resolved_min_admit_batch(self, has_cuda_graphs: bool) -> int:
+        if self.min_admit_batch is None:
+            return CUDA_GRAPH_MIN_ADMIT_BATCH if has_cuda_graphs else 1
+        return self.min_admit_batch
 
     def resolved_batching(self, num_pages: int) -> BatchingLimits:
         """max_num_batched_tokens and max_num_seqs: as set, or chosen for the device and a pool of num_pages."""

@@ -2,7 +2,7 @@
 between decodes and prefill chunks, admission limits, preemption, and eviction from a full prefix cache."""
 from __future__ import annotations
 
-from services.gpu_worker.batch_policy import EVICT_BATCH_FRACTION, BatchPolicy, StepPlan
+from services.gpu_worker.batch_policy import EVICT_BATCH_FRACTION, RUNNING_PER_ADMITTED, BatchPolicy, StepPlan
 from services.gpu_worker.block_pool import BlockPool
 from services.gpu_worker.radix_cache import RadixCache
 from services.gpu_worker.request import SamplingParams
@@ -189,14 +189,15 @@ def test_a_dry_pool_evicts_a_batch_beyond_the_shortfall() -> None:
 
 def test_admission_in_batches_waits_for_enough_seats_or_the_delay() -> None:
     """min_admit_batch: a step of decodes alone (a CUDA graph's step) does not admit one sequence at a time; a
-    step with a prompt chunk in it, or one after max_admit_delay_steps of waiting, does."""
-    policy = small_policy(num_pages=256, max_num_batched_tokens=64, max_num_seqs=4)
+    step with a prompt chunk in it, or one after max_admit_delay_steps of waiting, does. The batch asked for is
+    at most one per RUNNING_PER_ADMITTED running sequences, so a lightly loaded engine admits at once."""
+    policy = small_policy(num_pages=256, max_num_batched_tokens=64, max_num_seqs=2 * RUNNING_PER_ADMITTED + 2)
     policy.min_admit_batch, policy.max_admit_delay_steps = 2, 3
-    running = [new_seq(i, 1) for i in range(4)]
+    running = [new_seq(i, 1) for i in range(policy.max_num_seqs)]
     for seq in running:
         policy.add(seq)
     step(policy, now=1.0)
-    late = new_seq(4, 5)
+    late = new_seq(100, 5)
     policy.add(late)
     policy.finish(running[0], now=2.0)  # one seat free: fewer than min_admit_batch
     for n in range(3):
@@ -204,9 +205,14 @@ def test_admission_in_batches_waits_for_enough_seats_or_the_delay() -> None:
         assert plan.admitted == [] and all(item.num_new_tokens == 1 for item in plan.items)
     assert step(policy, now=6.0).admitted == [late]  # the delay ran out
     assert policy.num_deferred_steps == 0
-    a, b = new_seq(5, 5), new_seq(6, 5)
+    a, b = new_seq(101, 5), new_seq(102, 5)
     policy.add(a)
     policy.add(b)
     policy.finish(running[1], now=7.0)
     policy.finish(running[2], now=7.0)  # two seats and two waiting: admitted at once
     assert step(policy, now=8.0).admitted == [a, b]
+    for seq in running[3:3 + RUNNING_PER_ADMITTED + 2]:  # few running now: one waiting sequence starts at once
+        policy.finish(seq, now=9.0)
+    alone = new_seq(103, 5)
+    policy.add(alone)
+    assert len(policy.running) < 2 * RUNNING_PER_ADMITTED and step(policy, now=10.0).admitted == [alone]

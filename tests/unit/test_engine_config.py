@@ -44,3 +44,11 @@ def test_serve_and_the_worker_leave_the_limits_to_the_device() -> None:
     assert (engine_config.max_num_batched_tokens, engine_config.max_num_seqs) == (None, None)
     set_config = WorkerConfig(max_num_batched_tokens=2048, max_num_seqs=32).engine_config()
     assert (set_config.max_num_batched_tokens, set_config.max_num_seqs) == (2048, 32)
+
+
+def test_admission_in_batches_is_on_where_decode_steps_replay_cuda_graphs() -> None:
+    assert EngineConfig().resolved_min_admit_batch(has_cuda_graphs=True) == 16
+    assert EngineConfig().resolved_min_admit_batch(has_cuda_graphs=False) == 1  # every CPU step is eager anyway
+    assert EngineConfig(min_admit_batch=4).resolved_min_admit_batch(has_cuda_graphs=False) == 4
+    with pytest.raises(ValueError):
+        EngineConfig(max_admit_delay_steps=-1)
