@@ -58,6 +58,12 @@ class Call:
             log.warning("dropped chunk with a bad or finished index", request_id=msg.request_id, index=msg.index)
 
 
+# The error code of a GenerateError that names none (a lost worker or scheduler, an engine failure): clients
+# branch on `code`, so an error event mid-stream never carries null
+STATUS_ERROR_CODES = {429: "rate_limit_exceeded", 500: "internal_error", 503: "service_unavailable", 504: "timeout"}
+
+
 def api_error(msg: GenerateError) -> ApiError:
-    return ApiError(msg.status, msg.message, type=msg.code, param=msg.param, code=msg.error_code,
+    code = msg.error_code or STATUS_ERROR_CODES.get(msg.status)
+    return ApiError(msg.status, msg.message, type=msg.code, param=msg.param, code=code,
                     retry_after_s=msg.retry_after_s)

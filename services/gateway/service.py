@@ -321,8 +321,9 @@ class Gateway(Actor):
         try:
             try:
                 await self._stream_events(response, parsed, call, first, created)
-            except ApiError as exc:
+            except ApiError as exc:  # the stream ends as every stream does: the error event, then [DONE]
                 await write_event(response, exc.body())
+                await response.write(b"data: [DONE]\n\n")
         except ConnectionResetError:
             log.info("client disconnected mid-stream", request_id=parsed.request_id)
         return response

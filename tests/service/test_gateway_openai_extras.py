@@ -66,11 +66,12 @@ async def test_one_failed_prompt_fails_the_call_and_aborts_the_others(gateway: G
                                                                       peers: FakePeers) -> None:
     status, headers, body = await post(gateway, "/v1/completions", {"model": MODEL, "prompt": ["slow", "error429"]})
     assert (status, headers["Retry-After"]) == (429, "3")
-    assert body == {"error": {"message": "queue full", "type": "rate_limit_error", "param": None, "code": None}}
+    assert body == {"error": {"message": "queue full", "type": "rate_limit_error", "param": None,
+                              "code": "rate_limit_exceeded"}}
     rid = peers.requests[-1].request_id.rsplit("-", 1)[0]
     await wait_for(lambda: any(a.request_id == f"{rid}-0" for a in peers.aborts))
     aborted = {a.request_id: a.reason for a in peers.aborts if a.request_id.startswith(rid)}
-    assert aborted == {f"{rid}-0": "error"}  # the failed prompt ended upstream: no abort for it
+    assert aborted == {f"{rid}-0": "rate_limit_exceeded"}  # the failed prompt ended upstream: no abort for it
 
 
 @pytest.mark.asyncio

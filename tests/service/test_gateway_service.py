@@ -342,6 +342,21 @@ async def test_sdk_errors(gateway: GatewayProcess) -> None:
 
 
 @pytest.mark.asyncio
+async def test_an_error_mid_stream_is_a_coded_event_then_done(gateway: GatewayProcess) -> None:
+    """Issue 31, item 4: a worker lost mid-stream ended the stream with an error event whose code was null and no
+    [DONE]; now the event carries a code from its status and the stream ends as every stream does."""
+    async with aiohttp.ClientSession() as session:
+        async with session.post(gateway.url + "/v1/completions",
+                                json={"model": MODEL, "prompt": "midstream", "stream": True}) as resp:
+            assert resp.status == 200
+            events = [line.removeprefix("data: ") for line in (await resp.text()).splitlines()
+                      if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert (error["message"], error["type"], error["code"]) == ("worker died", "server_error", "internal_error")
+
+
+@pytest.mark.asyncio
 async def test_sdk_models(gateway: GatewayProcess) -> None:
     models = await client(gateway).models.list()
     assert [(m.id, m.object, m.owned_by) for m in models.data] == [(MODEL, "model", "radixserve")]
@@ -394,7 +409,8 @@ async def test_unknown_route_and_method_are_openai_errors(gateway: GatewayProces
 async def test_upstream_429_keeps_status_and_retry_after(gateway: GatewayProcess) -> None:
     status, headers, body = await post(gateway, "/v1/completions", {"model": MODEL, "prompt": "error429"})
     assert (status, headers["Retry-After"]) == (429, "3")
-    assert body == {"error": {"message": "queue full", "type": "rate_limit_error", "param": None, "code": None}}
+    assert body == {"error": {"message": "queue full", "type": "rate_limit_error", "param": None,
+                              "code": "rate_limit_exceeded"}}
 
 
 @pytest.mark.asyncio
