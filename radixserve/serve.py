@@ -30,6 +30,7 @@ TOKENIZER_FIELDS = ("max_model_len", "trust_message_special_tokens")  # max_mode
 
 RESTART_INITIAL_S, RESTART_MAX_S = 0.5, 30.0  # a dead child's restart delay doubles from the first to the second
 STABLE_S = 60.0  # a child that ran this long before it died starts again from the first delay
+MAX_STARTUP_RESTARTS = 2  # a child dying a third time before the server is ready fails the start-up
 
 
 @dataclass
@@ -83,9 +84,6 @@ class Suite:
             child.start(env, now)
             if child is self.redis:
                 _wait_for_socket(Path(child.argv[child.argv.index("--unixsocket") + 1]))
-
-    def first_dead(self) -> Child | None:
-        return next((c for c in self.supervised if c.is_dead), None)
 
     def supervise(self, env: dict[str, str], now: float) -> list[str]:
         """Restart what died, each after its backoff (an orchestrator's restart policy); → lines for the log."""
@@ -276,14 +274,18 @@ def _wait_for_socket(path: Path, timeout_s: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def wait_ready(suite: Suite, url: str, timeout_s: float, stop: threading.Event) -> bool:
-    """Poll /health until a worker serves or stop is set; show progress; False if a child died or time ran out."""
+def wait_ready(suite: Suite, url: str, timeout_s: float, stop: threading.Event, env: dict[str, str]) -> bool:
+    """Poll /health until a worker serves or stop is set; show progress. A child that dies meanwhile is restarted as
+    later, but one that dies more than MAX_STARTUP_RESTARTS times before the server is ready fails the start-up (a
+    bad flag or model fails each time). False then, or when time runs out."""
     started = time.monotonic()
     while time.monotonic() - started < timeout_s:
-        dead = suite.first_dead()
-        if dead is not None:
-            print(f"radixserve: {dead.name} exited with code {dead.process.returncode} during start-up",
-                  file=sys.stderr)
+        for line in suite.supervise(env, time.monotonic()):
+            print(f"\nradixserve: {line}", file=sys.stderr, flush=True)
+        failing = next((c for c in suite.supervised if c.num_restarts > MAX_STARTUP_RESTARTS), None)
+        if failing is not None:
+            print(f"radixserve: {failing.name} exited with code {failing.process.returncode} "
+                  f"{failing.num_restarts} times during start-up", file=sys.stderr)
             return False
         if _healthy(url):
             return True
@@ -323,7 +325,7 @@ def run_serve(args: argparse.Namespace) -> int:
     suite.start(env)
     url = f"http://{args.host}:{args.port}"
     try:
-        if not wait_ready(suite, url, args.ready_timeout, stop):
+        if not wait_ready(suite, url, args.ready_timeout, stop, env):
             return 1
         if not stop.is_set():
             print(f"\nradixserve ready: {url}/v1  (model {args.model}, {_describe(workers)}); Ctrl-C stops",

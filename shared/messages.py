@@ -17,7 +17,9 @@ from shared.sampling import SamplingParams
 #    version >= 3); WorkerHeartbeat.metrics.
 # 4: TokenizeRequest → TokenizeReply and DetokenizeRequest → DetokenizeReply (gateway ↔ tokenizer; an older
 #    tokenizer drops them, and the gateway answers 503 when no reply comes in time).
-PROTOCOL_VERSION = 4
+# 5: TokenizerPing → TokenizerPong (gateway ↔ tokenizer; an older tokenizer drops the ping, and a gateway that hears
+#    no pong declares no request lost).
+PROTOCOL_VERSION = 5
 
 T = TypeVar("T")
 
@@ -248,6 +250,25 @@ class DetokenizeReply(msgspec.Struct, frozen=True, tag=True):
 
     request_id: str
     text: str
+    version: int = PROTOCOL_VERSION
+
+
+class TokenizerPing(msgspec.Struct, frozen=True, tag=True):
+    """gateway → tokenizer, protocol 5: which of this gateway's requests do you hold? (the gateway's DEALER sends it
+    to each tokenizer in turn; services/gateway/tokenizer_watch.py)"""
+
+    sent_at: float  # the gateway's clock, echoed back
+    version: int = PROTOCOL_VERSION
+
+
+class TokenizerPong(msgspec.Struct, frozen=True, tag=True):
+    """tokenizer → gateway: its name (the address it binds for gateways), its incarnation (new at every start) and the
+    ids of the asking gateway's requests it holds, in answer to the TokenizerPing sent at sent_at."""
+
+    name: str
+    incarnation: str
+    sent_at: float
+    request_ids: list[str]
     version: int = PROTOCOL_VERSION
 
 
@@ -508,8 +529,8 @@ class PagesChunk(msgspec.Struct, frozen=True, tag=True):
     version: int = PROTOCOL_VERSION
 
 
-GatewayInbound = GenerateChunk | GenerateError | TokenizeReply | DetokenizeReply
-TokenizerInbound = GenerateRequest | AbortRequest | TokenizeRequest | DetokenizeRequest
+GatewayInbound = GenerateChunk | GenerateError | TokenizeReply | DetokenizeReply | TokenizerPong
+TokenizerInbound = GenerateRequest | AbortRequest | TokenizeRequest | DetokenizeRequest | TokenizerPing
 TokenizerStreamInbound = TokenBatch | GenerateError | RequestRouted
 SchedulerInbound = (TokenizedRequest | AbortRequest | WorkerHeartbeat | RequestFinished | WorkerGone
                     | StatusRequest | HandoffAccepted | AdoptRequest | MetricsRequest)

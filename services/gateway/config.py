@@ -34,6 +34,11 @@ class GatewayConfig:
     tokenize_timeout_s: float = field(default=30.0, metadata=_help("wait for a tokenizer's answer to /tokenize, "
                                                                    "/detokenize or an echoed prompt's text"))
     status_cache_s: float = field(default=0.5, metadata=_help("reuse a StatusReply this long"))
+    tokenizer_ping_s: float = field(default=0.5, metadata=_help("ask the tokenizers, in turn, which requests they hold "
+                                                                 "this often (0: never, and none is declared lost)"))
+    tokenizer_silent_s: float = field(default=30.0, metadata=_help(
+        "forget a tokenizer that has not answered a ping this long: its requests are lost unless another holds them "
+        "(a restarted tokenizer is known at once by its new incarnation)"))
     log_level: str = field(default="info", metadata=_help("debug, info, warning or error"))
 
     @property

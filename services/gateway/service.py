@@ -28,11 +28,12 @@ from services.gateway.protocol import (ApiError, ParsedRequest, check_model, mod
                                        parse_tokenize_request)
 from services.gateway.responses import (RequestOutput, chat_response, chat_role_chunk, chat_chunk,
                                         completion_chunk, completion_response, usage_chunk)
+from services.gateway.tokenizer_watch import TokenizerWatch
 from shared import transport
 from shared.actor import Actor
 from shared.messages import (AbortRequest, DetokenizeReply, DetokenizeRequest, GatewayInbound, GenerateChunk,
                              GenerateError, GenerateRequest, MetricsReply, MetricsRequest, SchedulerReply, StatusReply,
-                             StatusRequest, TokenizeReply, TokenizeRequest)
+                             StatusRequest, TokenizeReply, TokenizeRequest, TokenizerPing, TokenizerPong)
 
 log = structlog.get_logger(__name__)
 
@@ -60,6 +61,8 @@ class Gateway(Actor):
         self._status_poll_at = -math.inf
         self._metrics_polls: dict[str, asyncio.Future[bytes]] = {}  # MetricsRequest id → the scheduler's text
         self._tokenizer_polls: dict[str, asyncio.Future[Any]] = {}  # (De)TokenizeRequest id → the reply
+        self._watch = TokenizerWatch(config.tokenizer_silent_s)
+        self._sent_at: dict[str, float] = {}  # generations sent to a tokenizer and not ended → when (loop time)
         self._created_s = int(time.time())
         self._runner: web.AppRunner | None = None
         self._tokenizers: zmq.asyncio.Socket | None = None
@@ -71,6 +74,8 @@ class Gateway(Actor):
         self.spawn(transport.receive_forever(self._tokenizers, GatewayInbound, self._on_result), "tokenizer-recv")
         self.spawn(transport.receive_forever(self._schedulers, SchedulerReply, self._on_scheduler_reply),
                    "scheduler-recv")
+        if self.config.tokenizer_ping_s > 0:
+            self.every(self.config.tokenizer_ping_s, self._ping_tokenizers, "tokenizer-ping")
         # NOTE: bodies are decoded by decode_body, so an encoding aiohttp cannot read fails in our handler
         self._runner = web.AppRunner(self.build_app(), handler_cancellation=True, shutdown_timeout=5.0,
                                      access_log=None, auto_decompress=False, logger=_ONE_LINE_SERVER_LOG)
@@ -276,6 +281,7 @@ class Gateway(Actor):
                 await self._echo(parsed.generates, call.output)
             for generate in parsed.generates:
                 await self._send(self._tokenizers, generate, "tokenizer")
+                self._sent_at[generate.request_id] = asyncio.get_running_loop().time()
                 call.num_sent += 1
             first = await call.next_chunk()
             self.metrics.ttft.labels(request.path).observe(time.monotonic() - started)
@@ -291,6 +297,7 @@ class Gateway(Actor):
         finally:
             for request_id in call.request_ids:
                 del self._calls[request_id]
+                self._sent_at.pop(request_id, None)
             for request_id in call.open_request_ids():
                 await self._abort(request_id, reason)
 
@@ -363,8 +370,29 @@ class Gateway(Actor):
 
     # --- ZeroMQ peers ---
 
-    async def _on_result(self, msg: GenerateChunk | GenerateError | TokenizeReply | DetokenizeReply,
+    async def _ping_tokenizers(self) -> None:
+        """Ask the next tokenizer what it holds; fail the generations that no tokenizer holds any more."""
+        now = asyncio.get_running_loop().time()
+        try:
+            await self._send(self._tokenizers, TokenizerPing(now), "tokenizer")
+        except ApiError:
+            pass  # none connected: nothing to learn, nothing declared lost
+        for request_id in self._watch.lost(self._sent_at, now):
+            del self._sent_at[request_id]
+            call = self._calls.get(request_id)
+            if call is not None:
+                log.warning("tokenizer holding the request was lost", request_id=request_id)
+                call.queue.put_nowait(GenerateError(request_id, 503, "server_error",
+                                                    "The tokenizer holding the request stopped or restarted; "
+                                                    "please retry.", error_code="tokenizer_lost", retry_after_s=1.0))
+
+    async def _on_result(self, msg: GenerateChunk | GenerateError | TokenizeReply | DetokenizeReply | TokenizerPong,
                          _identity: bytes | None) -> None:
+        if isinstance(msg, TokenizerPong):
+            if self._watch.on_pong(msg.name, msg.incarnation, msg.sent_at, msg.request_ids,
+                                   asyncio.get_running_loop().time()):
+                log.warning("tokenizer restarted", tokenizer=msg.name)
+            return
         future = self._tokenizer_polls.get(msg.request_id)
         if future is not None:
             if future.done():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +44,8 @@ from shared.messages import (
     TokenizeReply,
     TokenizeRequest,
     TokenizerInbound,
+    TokenizerPing,
+    TokenizerPong,
     TokenizerStreamInbound,
     TokenLogprobEntry,
     TokenOutputs,
@@ -94,11 +97,13 @@ class TokenizerService(Actor):
         self._gateway_handlers: dict[type, Any] = {GenerateRequest: self.on_generate,
                                                    AbortRequest: self.on_gateway_abort,
                                                    TokenizeRequest: self.on_tokenize,
-                                                   DetokenizeRequest: self.on_detokenize}
+                                                   DetokenizeRequest: self.on_detokenize,
+                                                   TokenizerPing: self.on_ping}
         self._stream_handlers: dict[type, Any] = {TokenBatch: self.on_token_batch,
                                                   GenerateError: self.on_stream_error,
                                                   RequestRouted: self.on_routed}
         self.reply_addr = advertised(config.stream_addr)  # where workers and schedulers send to this tokenizer
+        self.incarnation = uuid.uuid4().hex  # new at every start: a gateway's pings tell a restart from a slow answer
         self.sockets: list[zmq.asyncio.Socket] = []  # one per scheduler, at its index in self.table.links
         self.table: RequestTable  # built at start: its schedulers' clocks start then
 
@@ -178,6 +183,12 @@ class TokenizerService(Actor):
         # NOTE: forwarded even when unknown here: a gateway's DEALER may send the abort to another replica.
         self.requests.pop(abort.request_id, None)
         await self._run(self.table.forget(abort.request_id, abort.reason))
+
+    async def on_ping(self, ping: TokenizerPing, gateway: bytes) -> None:
+        """The asking gateway's requests held here (services/gateway/tokenizer_watch.py)."""
+        held = [rid for rid, state in self.requests.items() if state.gateway == gateway]
+        await send(self.router, TokenizerPong(self.config.tokenizer_addr, self.incarnation, ping.sent_at, held),
+                   gateway)
 
     async def on_tokenize(self, req: TokenizeRequest, gateway: bytes) -> None:
         """The ids of a prompt (/tokenize); long texts are tokenized off the event loop."""

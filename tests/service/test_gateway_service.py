@@ -23,7 +23,8 @@ import zmq.asyncio
 
 from shared.messages import (AbortRequest, DetokenizeReply, DetokenizeRequest, GenerateChunk, GenerateError,
                              GenerateRequest, MetricsReply, MetricsRequest, StatusReply, StatusRequest, TokenizeReply,
-                             TokenizeRequest, TokenizerInbound, TokenLogprobEntry, decode, encode)
+                             TokenizeRequest, TokenizerInbound, TokenizerPing, TokenizerPong, TokenLogprobEntry, decode,
+                             encode)
 from shared.sampling import context_length_error
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,6 +47,8 @@ class FakePeers:
       "toolong": GenerateError(400, context_length_exceeded) at once, as a worker with an 8192-token context
     TokenizeRequest: a text's ids are its characters' code points (a chat's: its last message's), max 8192;
     DetokenizeRequest: the characters of those code points, or GenerateError(400) for id 0.
+    TokenizerPing: unanswered, unless pong_incarnation is set: then a TokenizerPong holding the "slow" requests not
+    aborted (`held`), as incarnation pong_incarnation.
     """
 
     def __init__(self, tmp_dir: str) -> None:
@@ -53,6 +56,8 @@ class FakePeers:
         self.scheduler_addr = f"ipc://{tmp_dir}/sched"
         self.requests: list[GenerateRequest] = []
         self.aborts: list[AbortRequest] = []
+        self.held: set[str] = set()
+        self.pong_incarnation: str | None = None
         self.num_workers = 1
         self.answers_metrics = True
         self._loop = asyncio.new_event_loop()
@@ -96,10 +101,18 @@ class FakePeers:
             msg = decode(data, TokenizerInbound)
             if isinstance(msg, AbortRequest):
                 self.aborts.append(msg)
+                self.held.discard(msg.request_id)
+                continue
+            if isinstance(msg, TokenizerPing):
+                if self.pong_incarnation is not None:
+                    pong = TokenizerPong(self.tokenizer_addr, self.pong_incarnation, msg.sent_at, sorted(self.held))
+                    await sock.send_multipart([identity, encode(pong)])
                 continue
             if isinstance(msg, (TokenizeRequest, DetokenizeRequest)):
                 await sock.send_multipart([identity, encode(_tokenizer_reply(msg))])
                 continue
+            if (msg.messages[-1].content if msg.messages else msg.prompt_text) == "slow":
+                self.held.add(msg.request_id)
             self.requests.append(msg)
             for reply in self._script(msg):
                 await sock.send_multipart([identity, encode(reply)])
@@ -354,6 +367,31 @@ async def test_an_error_mid_stream_is_a_coded_event_then_done(gateway: GatewayPr
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert (error["message"], error["type"], error["code"]) == ("worker died", "server_error", "internal_error")
+
+
+@pytest.mark.asyncio
+async def test_a_stream_whose_tokenizer_restarts_ends_with_tokenizer_lost(gateway: GatewayProcess,
+                                                                          peers: FakePeers) -> None:
+    """Issue 31, item 4: a killed tokenizer froze its streams (the gateway waited for chunks nobody would send). The
+    gateway asks the tokenizers what they hold; a stream stays open while its tokenizer holds it, and ends with a
+    coded error and [DONE] once the tokenizer answers as a new incarnation that holds nothing."""
+    peers.pong_incarnation = "first"
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(gateway.url + "/v1/completions",
+                                    json={"model": MODEL, "prompt": "slow", "stream": True}) as resp:
+                first = await resp.content.readline()
+                assert first.startswith(b"data: ") and b"Hel" in first
+                with pytest.raises(TimeoutError):  # held: pings go on, and the stream stays open
+                    await asyncio.wait_for(resp.content.readuntil(b"[DONE]"), 1.5)
+                peers.held.clear()
+                peers.pong_incarnation = "second"  # restarted: holds nothing
+                rest = (await asyncio.wait_for(resp.content.read(), 10)).decode()
+    finally:
+        peers.pong_incarnation = None
+    events = [line.removeprefix("data: ") for line in rest.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "tokenizer_lost"
 
 
 @pytest.mark.asyncio
