@@ -7,6 +7,8 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
+from shared.loop_lag import LOOP_LAG_INTERVAL_S, LoopLag
+
 log = structlog.get_logger(__name__)
 
 # After a stop signal: how long the loops get to end once cancelled. A task that swallows its cancellation (a
@@ -23,6 +25,7 @@ class Actor:
     def __init__(self) -> None:
         self._tasks: list[asyncio.Task] = []
         self._stopped = asyncio.Event()
+        self.loop_lag = LoopLag()
 
     async def start(self) -> None:
         """Bind sockets and spawn loops (override)."""
@@ -49,6 +52,16 @@ class Actor:
                     log.exception("periodic task failed", task=name)
         self.spawn(loop(), name)
 
+    async def _watch_loop_lag(self) -> None:
+        """Sleep LOOP_LAG_INTERVAL_S at a time and count how late each wake-up comes; warn about a stall."""
+        loop = asyncio.get_running_loop()
+        while True:
+            due_s = loop.time() + LOOP_LAG_INTERVAL_S
+            await asyncio.sleep(LOOP_LAG_INTERVAL_S)
+            lag_s = loop.time() - due_s
+            if self.loop_lag.observe(lag_s):
+                log.warning("event loop stalled", service=self.name, stall_ms=round(lag_s * 1000))
+
     def _on_task_done(self, task: asyncio.Task) -> None:
         if task.cancelled():
             return
@@ -68,6 +81,7 @@ class Actor:
             except (NotImplementedError, RuntimeError):
                 pass
         await self.start()
+        self.spawn(self._watch_loop_lag(), "loop-lag")  # NOTE: after start(): a model load is not a stall
         log.info("started", service=self.name)
         try:
             await self._stopped.wait()
@@ -75,7 +89,8 @@ class Actor:
         finally:
             await self._cancel_tasks()
             await self.close()
-            log.info("stopped", service=self.name)
+            log.info("stopped", service=self.name, max_loop_stall_ms=round(self.loop_lag.max_s * 1000),
+                     num_loop_stalls=self.loop_lag.num_stalls)
 
     async def _cancel_tasks(self) -> None:
         """Cancel every loop and wait for them to end, for STOP_GRACE_S at most (see there)."""

@@ -3,13 +3,16 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from shared.loop_lag import LoopLag, LoopLagCollector
+
 _LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 class GatewayMetrics:
-    def __init__(self) -> None:
+    def __init__(self, loop_lag: LoopLag | None = None) -> None:
         self.registry = CollectorRegistry()
         prefix = "radixserve_gateway_"
+        self.registry.register(LoopLagCollector("radixserve_gateway", loop_lag or LoopLag()))
         self.requests = Counter(prefix + "requests", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=self.registry)
         self.ttft = Histogram(prefix + "time_to_first_token_seconds", "request arrival to first generated text",

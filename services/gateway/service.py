@@ -49,7 +49,7 @@ class Gateway(Actor):
     def __init__(self, config: GatewayConfig) -> None:
         super().__init__()
         self.config = config
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(self.loop_lag)
         self._identity = f"gateway-{os.getpid()}-{uuid.uuid4().hex[:12]}".encode()
         self._api_keys = [key.encode() for key in config.api_key_list]
         self._calls: dict[str, Call] = {}

@@ -11,6 +11,7 @@ import prometheus_client.utils
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from services.scheduler.policy import Decision
+from shared.loop_lag import LoopLag, LoopLagCollector
 from shared.messages import EngineMetrics, HistogramCounts
 
 WorkerMetrics = Callable[[], list[tuple[str, EngineMetrics]]]  # (worker_id, its latest EngineMetrics) per live worker
@@ -87,10 +88,11 @@ class _CounterFunction:
 class SchedulerMetrics:
     """One registry per scheduler process (not the global default, so tests can build several)."""
 
-    def __init__(self, policy: str, workers: WorkerMetrics = list) -> None:
+    def __init__(self, policy: str, workers: WorkerMetrics = list, loop_lag: LoopLag | None = None) -> None:
         self.policy = policy
         self.registry = prom.CollectorRegistry()
         self.registry.register(EngineMetricsCollector(workers))
+        self.registry.register(LoopLagCollector("radixserve_scheduler", loop_lag or LoopLag()))
         self.decisions = prom.Counter("radixserve_scheduler_routing_decisions", "requests routed, by reason",
                                       ["policy", "reason"], registry=self.registry)
         self.prompt_blocks = prom.Counter("radixserve_scheduler_prompt_blocks",

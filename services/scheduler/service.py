@@ -55,7 +55,7 @@ class SchedulerService(Actor):
                                     config.pd_min_prefill_tokens)
         self.pending = PendingPrefixes(config.pending_ttl_s)
         self._engine_metrics: dict[str, EngineMetrics] = {}  # worker_id → its latest heartbeat's metrics
-        self.metrics = SchedulerMetrics(config.routing, self._live_engine_metrics)
+        self.metrics = SchedulerMetrics(config.routing, self._live_engine_metrics, self.loop_lag)
         self.metrics.gauge("radixserve_scheduler_workers", "live workers known", lambda: len(self.registry))
         self.metrics.gauge("radixserve_scheduler_queued_requests", "requests waiting for a worker",
                            lambda: len(self.queue))
