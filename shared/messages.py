@@ -19,7 +19,9 @@ from shared.sampling import SamplingParams
 #    tokenizer drops them, and the gateway answers 503 when no reply comes in time).
 # 5: TokenizerPing → TokenizerPong (gateway ↔ tokenizer; an older tokenizer drops the ping, and a gateway that hears
 #    no pong declares no request lost).
-PROTOCOL_VERSION = 5
+# 6: tool calling (gateway → tokenizer): GenerateRequest.tools and .is_tool_call_required; ChatMessage.tool_calls
+#    and .tool_call_id (an older tokenizer ignores them: it renders the messages' contents and no tools).
+PROTOCOL_VERSION = 6
 
 T = TypeVar("T")
 
@@ -72,9 +74,31 @@ class KVEventBatch(msgspec.Struct, frozen=True, tag=True):
 SamplingSpec = SamplingParams
 
 
+class ChatToolCall(msgspec.Struct, frozen=True):
+    """A function call an assistant message of the history made: its id, the function's name and its arguments
+    as the JSON text of an object (as OpenAI sends them)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+class ToolFunction(msgspec.Struct, frozen=True):
+    """A function tool a chat request offers the model; parameters is the JSON text of its JSON schema ("": none)."""
+
+    name: str
+    description: str = ""
+    parameters: str = ""
+
+
 class ChatMessage(msgspec.Struct, frozen=True):
+    """One chat message; an assistant's may carry tool_calls (protocol 6), a `tool` message answers the call
+    tool_call_id."""
+
     role: str
     content: str
+    tool_calls: list[ChatToolCall] = []
+    tool_call_id: str = ""
 
 
 class GenerateRequest(msgspec.Struct, frozen=True, tag=True):
@@ -92,6 +116,8 @@ class GenerateRequest(msgspec.Struct, frozen=True, tag=True):
     stop: list[str] = []
     skip_special_tokens: bool = True
     deadline_s: float | None = None  # unix time after which the request is dropped
+    tools: list[ToolFunction] = []  # protocol 6: rendered into a chat prompt (its template's way, or a system prompt)
+    is_tool_call_required: bool = False  # protocol 6: the prompt asks for a call (tool_choice required or named)
     version: int = PROTOCOL_VERSION
 
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.gateway.tool_calls import TOOL_CALL_PARSERS
+
 
 def _help(text: str) -> dict[str, str]:
     return {"help": text}
@@ -39,7 +41,15 @@ class GatewayConfig:
     tokenizer_silent_s: float = field(default=30.0, metadata=_help(
         "forget a tokenizer that has not answered a ping this long: its requests are lost unless another holds them "
         "(a restarted tokenizer is known at once by its new incarnation)"))
+    tool_call_parser: str = field(default="auto", metadata=_help(
+        "how chat outputs become tool_calls: hermes (<tool_call>{...}</tool_call>: Hermes, Qwen, the fallback "
+        "prompt), llama3_json ({\"name\": ..., \"parameters\": ...}: Llama 3.x) or auto (both)"))
     log_level: str = field(default="info", metadata=_help("debug, info, warning or error"))
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                             f"not {self.tool_call_parser!r}")
 
     @property
     def tokenizer_addr_list(self) -> list[str]:

@@ -7,14 +7,19 @@ from typing import Any
 
 import msgspec
 
+from services.gateway.errors import ApiError, array_too_long, error_body
+from services.gateway.errors import api_type_error as _type_error
+from services.gateway.errors import sampling_api_error as _api_error
+from services.gateway.errors import unsupported_parameter as _unsupported
+from services.gateway.tool_request import ToolPolicy, parse_message_tool_calls, parse_tool_request, tool_call_id
 from shared.messages import ChatMessage, DetokenizeRequest, GenerateRequest, TokenizeRequest
 from shared.sampling import (Bound, SamplingError, SamplingParams, check_bound, check_token_ids, check_value, is_int,
-                             sampling_params, type_error)
+                             sampling_params)
 
 MAX_STOP = 4
 MAX_COMPLETION_LOGPROBS = 5
 MAX_PROMPTS = 2048  # prompts in one batched completions call (each is its own request inside)
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 # Accepted for compatibility; they do not change the output.
 _IGNORED = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
@@ -34,8 +39,6 @@ DETOKENIZE_PARAMS = frozenset({"model", "tokens"})
 
 # Parameters we recognise but cannot honour: any value other than a neutral one is refused.
 _NEUTRAL: dict[str, Callable[[Any], bool]] = {
-    "tools": lambda v: v == [],
-    "tool_choice": lambda v: v == "none",
     "functions": lambda v: v == [],
     "function_call": lambda v: v == "none",
     "audio": lambda v: False,
@@ -44,29 +47,6 @@ _NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "modalities": lambda v: v == ["text"],
     "suffix": lambda v: v == "",
 }
-
-
-class ApiError(Exception):
-    """An error returned to the client as {"error": {message, type, param, code}} with an HTTP status."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 retry_after_s: float | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.retry_after_s = retry_after_s
-        self.headers = headers or {}  # beside Retry-After: e.g. Accept-Encoding with a 415
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 @dataclass(frozen=True)
@@ -83,6 +63,7 @@ class ParsedRequest:
     is_stream: bool
     include_usage: bool
     is_echo: bool = False  # completions: each choice's text starts with its prompt
+    tool_policy: ToolPolicy | None = None  # chat with tools: how its output becomes tool_calls (None: it does not)
 
     @property
     def generate(self) -> GenerateRequest:
@@ -124,9 +105,11 @@ def parse_chat_request(body: Any, *, request_id: str, model_ids: Collection[str]
     sampling = _sampling(body, max_tokens, (top_logprobs or 0) if is_logprobs else None)
     if body.get("max_completion_tokens") is None and body.get("max_tokens") is None:
         sampling = msgspec.structs.replace(sampling, is_max_tokens_default=True)
+    tool_request = parse_tool_request(body.get("tools"), body.get("tool_choice"))
     generate = GenerateRequest(request_id, sampling, messages=messages, stop=parse_stop(body.get("stop")),
-                               skip_special_tokens=_bool(body, "skip_special_tokens", True), deadline_s=deadline_s)
-    return _parsed(body, request_id, (generate,), is_chat=True)
+                               skip_special_tokens=_bool(body, "skip_special_tokens", True), deadline_s=deadline_s,
+                               tools=tool_request.tools, is_tool_call_required=tool_request.is_call_required)
+    return _parsed(body, request_id, (generate,), is_chat=True, tool_policy=tool_request.policy)
 
 
 def parse_completion_request(body: Any, *, request_id: str, model_ids: Collection[str],
@@ -201,9 +184,7 @@ def parse_prompts(value: Any) -> list[tuple[str | None, list[int] | None]]:
     if not (all(isinstance(x, str) for x in value) or all(isinstance(x, list) for x in value)):
         return [(None, _token_ids(value, "prompt"))]
     if len(value) > MAX_PROMPTS:
-        raise ApiError(400, f"Invalid 'prompt': array too long. Expected an array with maximum length {MAX_PROMPTS}, "
-                            f"but got an array with length {len(value)} instead.", param="prompt",
-                       code="array_above_max_length")
+        raise array_too_long("prompt", MAX_PROMPTS, len(value))
     return [(x, None) if isinstance(x, str) else (None, _token_ids(x, f"prompt[{p}]")) for p, x in enumerate(value)]
 
 
@@ -215,9 +196,7 @@ def parse_stop(value: Any) -> list[str]:
     if not isinstance(value, list):
         raise _type_error("stop", "a string or an array of strings", value)
     if len(value) > MAX_STOP:
-        raise ApiError(400, f"Invalid 'stop': array too long. Expected an array with maximum length {MAX_STOP}, "
-                            f"but got an array with length {len(value)} instead.", param="stop",
-                       code="array_above_max_length")
+        raise array_too_long("stop", MAX_STOP, len(value))
     for i, s in enumerate(value):
         if not isinstance(s, str):
             raise _type_error(f"stop[{i}]", "a string", s)
@@ -260,7 +239,7 @@ def model_not_found(model: str) -> ApiError:
 
 
 def _parsed(body: dict, request_id: str, generates: tuple[GenerateRequest, ...], is_chat: bool,
-            is_echo: bool = False) -> ParsedRequest:
+            is_echo: bool = False, tool_policy: ToolPolicy | None = None) -> ParsedRequest:
     is_stream = _bool(body, "stream", False)
     options = body.get("stream_options")
     if options is not None and not is_stream:
@@ -269,7 +248,8 @@ def _parsed(body: dict, request_id: str, generates: tuple[GenerateRequest, ...],
     if options is not None and not isinstance(options, dict):
         raise _type_error("stream_options", "an object", options)
     include_usage = _bool(options or {}, "include_usage", False, prefix="stream_options.")
-    return ParsedRequest(request_id, generates, body["model"], is_chat, is_stream, include_usage, is_echo)
+    return ParsedRequest(request_id, generates, body["model"], is_chat, is_stream, include_usage, is_echo,
+                         tool_policy)
 
 
 def _sampling(body: dict, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -305,16 +285,21 @@ def _parse_message(message: Any, param: str) -> ChatMessage:
         supported = ", ".join(f"'{r}'" for r in CHAT_ROLES)
         raise ApiError(400, f"Invalid value: {role!r}. Supported values are: {supported}.",
                        param=f"{param}.role", code="invalid_value")
-    for key in ("tool_calls", "function_call", "audio"):
+    for key in ("function_call", "audio"):
         if message.get(key):
             raise _unsupported(f"{param}.{key}")
+    if message.get("tool_calls") is not None and role != "assistant":
+        raise ApiError(400, f"Invalid parameter: '{param}.tool_calls' is only allowed on messages with role "
+                            "'assistant'.", param=f"{param}.tool_calls", code="invalid_value")
+    tool_calls = parse_message_tool_calls(message.get("tool_calls"), f"{param}.tool_calls")
+    call_id = tool_call_id(message, param) if role == "tool" else ""
     content = _message_content(message.get("content"), role, f"{param}.content")
-    return ChatMessage("system" if role == "developer" else role, content)
+    return ChatMessage("system" if role == "developer" else role, content, tool_calls, call_id)
 
 
 def _message_content(value: Any, role: str, param: str) -> str:
     if value is None:
-        if role == "assistant":
+        if role == "assistant":  # NOTE: one that made tool_calls has no content
             return ""
         raise ApiError(400, f"Missing required parameter: '{param}'.", param=param,
                        code="missing_required_parameter")
@@ -376,16 +361,3 @@ def _bool(body: dict, name: str, default: bool, prefix: str = "") -> bool:
     if not isinstance(value, bool):
         raise _type_error(prefix + name, "a boolean", value)
     return value
-
-
-def _type_error(param: str, expected: str, value: Any) -> ApiError:
-    return _api_error(type_error(param, expected, value))
-
-
-def _api_error(exc: SamplingError) -> ApiError:
-    return ApiError(400, exc.message, param=exc.param, code=exc.code)
-
-
-def _unsupported(param: str) -> ApiError:
-    return ApiError(400, f"Unsupported parameter: '{param}' is not supported by this server.", param=param,
-                    code="unsupported_parameter")

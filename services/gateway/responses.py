@@ -11,6 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.gateway.errors import ApiError
+from services.gateway.tool_calls import Content, Event, ToolCall, ToolCallParser, new_tool_call_id, parse_tool_calls
+from services.gateway.tool_request import ToolPolicy
 from shared.messages import GenerateChunk, TokenLogprobEntry, TokenPiece
 
 
@@ -86,13 +89,88 @@ def usage_body(num_prompt_tokens: int, num_completion_tokens: int, num_cached_to
             "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
 
 
-def chat_response(request_id: str, model: str, created: int, output: RequestOutput,
-                  has_logprobs: bool) -> dict[str, Any]:
-    choices = [{"index": i, "message": {"role": "assistant", "content": s.text, "refusal": None},
-                "logprobs": chat_logprobs(s.logprobs, s.pieces) if has_logprobs else None,
-                "finish_reason": s.finish_reason} for i, s in enumerate(output.samples)]
+def chat_response(request_id: str, model: str, created: int, output: RequestOutput, has_logprobs: bool,
+                  tool_policy: ToolPolicy | None = None, tool_call_parser: str = "auto") -> dict[str, Any]:
+    """The whole chat answer; with a tool policy each choice's text is parsed into content and tool_calls."""
+    choices = []
+    for i, s in enumerate(output.samples):
+        message: dict[str, Any] = {"role": "assistant", "content": s.text, "refusal": None}
+        finish_reason = s.finish_reason
+        if tool_policy is not None:
+            content, calls = parse_tool_calls(s.text, tool_policy.names, new_tool_call_id, tool_call_parser)
+            _check_required(tool_policy, len(calls), i, s.text)
+            message["content"] = content
+            if calls:
+                message["tool_calls"] = [_tool_call_body(call) for call in calls]
+                finish_reason = _tool_finish_reason(finish_reason)
+        choices.append({"index": i, "message": message,
+                        "logprobs": chat_logprobs(s.logprobs, s.pieces) if has_logprobs else None,
+                        "finish_reason": finish_reason})
     return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": output.usage()}
+
+
+class ToolCallStream:
+    """A streamed chat call with tools: each choice's text goes through its own parser, and each GenerateChunk
+    becomes the chunks OpenAI would stream for what it releases: content deltas, and per call a delta with its
+    index, id, type and name, then one with its arguments."""
+
+    def __init__(self, policy: ToolPolicy, num_choices: int, parser: str = "auto") -> None:
+        self.policy = policy
+        self.parsers = [ToolCallParser(policy.names, new_tool_call_id, parser) for _ in range(num_choices)]
+        self._num_sent = [0] * num_choices  # calls streamed per choice: the next call's index
+
+    def chat_chunks(self, request_id: str, model: str, created: int, chunk: GenerateChunk, has_logprobs: bool,
+                    include_usage: bool) -> list[dict[str, Any]]:
+        """The chunk bodies for chunk (none when it releases nothing and ends nothing)."""
+        parser = self.parsers[chunk.index]
+        events = parser.feed(chunk.text)
+        finish_reason = chunk.finish_reason
+        if finish_reason is not None:
+            events += parser.finish()
+            _check_required(self.policy, parser.num_calls, chunk.index, "")
+            finish_reason = _tool_finish_reason(finish_reason) if parser.num_calls else finish_reason
+        deltas = [delta for event in events for delta in self._deltas(chunk.index, event)]
+        if not deltas and (finish_reason is not None or (has_logprobs and chunk.logprobs)):
+            deltas = [{}]
+        bodies = []
+        for i, delta in enumerate(deltas):
+            is_first, is_last = i == 0, i == len(deltas) - 1
+            logprobs = chat_logprobs(chunk.logprobs or [], _pieces(chunk)) if has_logprobs and is_first else None
+            choice = {"index": chunk.index, "delta": delta, "logprobs": logprobs,
+                      "finish_reason": finish_reason if is_last else None}
+            bodies.append(_chunk(request_id, "chat.completion.chunk", model, created, choice, include_usage))
+        return bodies
+
+    def _deltas(self, index: int, event: Event) -> list[dict[str, Any]]:
+        if isinstance(event, Content):
+            return [{"content": event.text}]
+        call_index = self._num_sent[index]
+        self._num_sent[index] += 1
+        return [{"tool_calls": [{"index": call_index, "id": event.id, "type": "function",
+                                 "function": {"name": event.name, "arguments": ""}}]},
+                {"tool_calls": [{"index": call_index, "function": {"arguments": event.arguments}}]}]
+
+
+def _tool_call_body(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _tool_finish_reason(finish_reason: str | None) -> str | None:
+    """A choice that made calls and stopped by itself finishes with "tool_calls"; one cut by length stays so."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+def _check_required(policy: ToolPolicy, num_calls: int, index: int, text: str) -> None:
+    """tool_choice "required" or named: an output without a valid call is an error (no guided decoding here)."""
+    if not policy.is_required or num_calls:
+        return
+    names = ", ".join(sorted(policy.names))
+    shown = f" It began: {text[:200]!r}." if text else ""
+    raise ApiError(422, f"tool_choice asked for a call to {names}, but the model's output (choice {index}) holds no "
+                        "valid tool call. This server reads calls from the output and does not constrain decoding "
+                        f"to them; retry, or use tool_choice 'auto'.{shown}", type="server_error",
+                   code="tool_call_not_generated")
 
 
 def completion_response(request_id: str, model: str, created: int, output: RequestOutput,

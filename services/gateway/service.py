@@ -26,7 +26,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import (ApiError, ParsedRequest, check_model, model_not_found, parse_chat_request,
                                        parse_completion_request, parse_detokenize_request, parse_json_body,
                                        parse_tokenize_request)
-from services.gateway.responses import (RequestOutput, chat_response, chat_role_chunk, chat_chunk,
+from services.gateway.responses import (RequestOutput, ToolCallStream, chat_response, chat_role_chunk, chat_chunk,
                                         completion_chunk, completion_response, usage_chunk)
 from services.gateway.tokenizer_watch import TokenizerWatch
 from shared import transport
@@ -315,9 +315,12 @@ class Gateway(Actor):
     async def _whole(self, parsed: ParsedRequest, call: Call) -> web.Response:
         while not call.output.is_finished:
             await call.next_chunk()
-        build = chat_response if parsed.is_chat else completion_response
-        return json_response(build(parsed.request_id, parsed.model, int(time.time()), call.output,
-                                   parsed.has_logprobs))
+        created = int(time.time())
+        if parsed.is_chat:
+            return json_response(chat_response(parsed.request_id, parsed.model, created, call.output,
+                                               parsed.has_logprobs, parsed.tool_policy, self.config.tool_call_parser))
+        return json_response(completion_response(parsed.request_id, parsed.model, created, call.output,
+                                                 parsed.has_logprobs))
 
     async def _stream(self, request: web.Request, parsed: ParsedRequest, call: Call,
                       first: GenerateChunk) -> web.StreamResponse:
@@ -344,14 +347,19 @@ class Gateway(Actor):
         for index, echo in enumerate(call.output.echoes):
             await write_event(response, completion_chunk(rid, model, created, GenerateChunk(rid, index, echo, []),
                                                          False, 0, usage))
+        tools = None if parsed.tool_policy is None else ToolCallStream(parsed.tool_policy, parsed.n,
+                                                                        self.config.tool_call_parser)
         chunk = first
         while True:
-            if parsed.is_chat:
-                body = chat_chunk(rid, model, created, chunk, parsed.has_logprobs, usage)
+            if tools is not None:
+                bodies = tools.chat_chunks(rid, model, created, chunk, parsed.has_logprobs, usage)
+            elif parsed.is_chat:
+                bodies = [chat_chunk(rid, model, created, chunk, parsed.has_logprobs, usage)]
             else:
                 offset = len(call.output.samples[chunk.index].text) - len(chunk.text)
-                body = completion_chunk(rid, model, created, chunk, parsed.has_logprobs, offset, usage)
-            await write_event(response, body)
+                bodies = [completion_chunk(rid, model, created, chunk, parsed.has_logprobs, offset, usage)]
+            for body in bodies:
+                await write_event(response, body)
             if call.output.is_finished:
                 break
             chunk = await call.next_chunk()

@@ -11,14 +11,14 @@ import pytest
 
 from shared import messages
 from shared.messages import (PROTOCOL_VERSION, TokenizerPing, TokenizerPong, AbortRequest, AdoptRequest, AllBlocksCleared, BlocksRemoved,
-                             BlocksStored, CacheSnapshot, ChatMessage, CudaIpcHandle, EngineMetrics, GatewayInbound,
+                             BlocksStored, CacheSnapshot, ChatMessage, ChatToolCall, CudaIpcHandle, EngineMetrics, GatewayInbound,
                              GenerateChunk,
                              GenerateError, GenerateRequest, HandoffAccepted, HistogramCounts, KVEvent, KVEventBatch,
                              KVReady, KVSource, MetricsReply, MetricsRequest, PagesChunk, PagesRequest, PrefillRequest,
                              ReleaseLease, RequestFinished, RequestRouted, SchedulerInbound,
                              SchedulerReply, SnapshotRequest, StatusReply, StatusRequest, TokenBatch, TokenizedRequest,
                              DetokenizeReply, DetokenizeRequest, TokenizeReply, TokenizeRequest, TokenizerInbound,
-                             TokenLogprobEntry, TokenOutputs, TokenPiece, TransferStats, WorkerGone, WorkerHeartbeat,
+                             TokenLogprobEntry, TokenOutputs, TokenPiece, ToolFunction, TransferStats, WorkerGone, WorkerHeartbeat,
                              WorkerLoad, decode, encode)
 from shared.sampling import SamplingParams
 
@@ -56,8 +56,14 @@ EXAMPLES: dict[type[msgspec.Struct], list[msgspec.Struct]] = {
                                 [BlocksStored([1], None, [1, 2], 2), BlocksRemoved([1]), AllBlocksCleared()]),
                    KVEventBatch("w0", "ipc://w0-snap", "inc", 0, [])],
     SamplingParams: [SamplingParams(), SAMPLING],
-    ChatMessage: [ChatMessage("user", "héllo 😀")],
+    ChatMessage: [ChatMessage("user", "héllo 😀"),
+                  ChatMessage("assistant", "", [ChatToolCall("call_1", "f", '{"a": 1}')]),
+                  ChatMessage("tool", "21", tool_call_id="call_1")],
+    ChatToolCall: [ChatToolCall("call_1", "get_weather", '{"city": "Paris"}')],
+    ToolFunction: [ToolFunction("f"), ToolFunction("get_weather", "Weather", '{"type": "object"}')],
     GenerateRequest: [GenerateRequest("r1", SamplingParams(), prompt_text="hi", stop=["\n\n"], deadline_s=1.5e9),
+                      GenerateRequest("r4", SAMPLING, messages=[ChatMessage("user", "u")],
+                                      tools=[ToolFunction("f", "d", "{}")], is_tool_call_required=True),
                       GenerateRequest("r2", SAMPLING, prompt_token_ids=[1, 2], skip_special_tokens=False),
                       GenerateRequest("r3", SAMPLING, messages=[ChatMessage("system", "s"), ChatMessage("user", "u")])],
     AbortRequest: [AbortRequest("r1"), AbortRequest("r1", reason="client_gone", worker_id="w1")],
