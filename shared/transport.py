@@ -22,6 +22,7 @@ log = structlog.get_logger(__name__)
 MAX_FRAME_BYTES = 64 << 20  # a larger frame is refused by ZeroMQ before it is read
 MAX_QUEUED_MESSAGES = 100_000  # SNDHWM of PUSH, DEALER and ROUTER sockets: messages queued for one peer
 MAX_PEERS = 256  # PUSH sockets a PushPool keeps open (libzmq refuses a context's 1,024th socket)
+MAX_HOLD_S = 0.02  # a receive loop with a backlog hands the event loop over after handling messages this long
 MAX_SEND_WAIT_S = 1.0  # how long a PushPool send waits for room in a full peer's queue
 _RETRY_FIRST_S, _RETRY_MAX_S = 0.001, 0.05  # pauses between the tries of a bounded send
 _context: zmq.asyncio.Context | None = None
@@ -134,9 +135,16 @@ async def receive_forever(sock: zmq.asyncio.Socket, accepts: Any, handle: Handle
     """Decode each frame as one of `accepts` and hand it to handle(msg, identity).
 
     A malformed, unknown or oversized frame is logged and dropped; a handler's exception is logged and
-    the loop goes on, so one bad message never stops a service.
+    the loop goes on, so one bad message never stops a service. NOTE: a receive of a frame already queued does not
+    suspend, so a backlog (a burst of 1,000 requests) would hold the event loop until it is read, pings and timers
+    waiting meanwhile: every MAX_HOLD_S the loop is yielded to the other tasks.
     """
+    loop = asyncio.get_running_loop()
+    held_since_s = loop.time()
     while True:
+        if loop.time() - held_since_s >= MAX_HOLD_S:
+            await asyncio.sleep(0)
+            held_since_s = loop.time()
         frames = await sock.recv_multipart(copy=True)
         identity = frames[0] if has_identity and len(frames) > 1 else None
         try:
