@@ -8,24 +8,32 @@ import uuid
 from typing import Any
 
 from services.tokenizer.model_files import Tokenizer
+from services.tokenizer.tool_prompt import outside_content_text
 
 Piece = tuple[str, bool]  # (text, is_special): a special piece is one token of the template's own
 
 
-def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict[str, str]], is_content_trusted: bool = False) -> list[int]:
+def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict[str, Any]], is_content_trusted: bool = False,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
     """The generation prompt of messages as token ids.
 
     A content that holds no special token's text is tokenized as the template renders it: exactly the ids of
     apply_chat_template. Otherwise the rendered text is tokenized in regions between the template's own special
     tokens, each with special tokens split as text. is_content_trusted (a trusted deployment's opt-out) keeps
-    special tokens in contents special.
+    special tokens in contents special. tools (OpenAI-shaped) go to a template that renders them; as they and the
+    messages' tool calls are rendered outside the contents, a special token's text in them is refused.
     """
     specials = _special_pattern(tokenizer)
+    has_tool_parts = tools is not None or any("tool_calls" in m or "tool_call_id" in m for m in messages)
+    if (has_tool_parts and not is_content_trusted and specials is not None
+            and specials.search(outside_content_text(messages, tools))):
+        raise ValueError("a tool's definition, a tool call or a tool_call_id holds the text of a special token of "
+                         "the chat template")
     if is_content_trusted or specials is None or not any(specials.search(m["content"]) for m in messages):
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+        return list(tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
                                                   return_dict=False))
     ids: list[int] = []
-    for text, is_special in _merged(_pieces(tokenizer, messages, specials)):
+    for text, is_special in _merged(_pieces(tokenizer, messages, specials, tools)):
         if is_special:
             ids.append(tokenizer.convert_tokens_to_ids(text))
         else:
@@ -40,7 +48,8 @@ def _special_pattern(tokenizer: Tokenizer) -> re.Pattern[str] | None:
     return re.compile("|".join(re.escape(t) for t in texts)) if texts else None
 
 
-def _pieces(tokenizer: Tokenizer, messages: list[dict[str, str]], specials: re.Pattern[str]) -> list[Piece]:
+def _pieces(tokenizer: Tokenizer, messages: list[dict[str, Any]], specials: re.Pattern[str],
+            tools: list[dict[str, Any]] | None) -> list[Piece]:
     """The rendered prompt as pieces: the template's text split at its special tokens, and each content whole.
 
     NOTE: the template is rendered with a sentinel for each content, so the contents' places are known whatever
@@ -48,7 +57,7 @@ def _pieces(tokenizer: Tokenizer, messages: list[dict[str, str]], specials: re.P
     """
     sentinel = f"\ue000{uuid.uuid4().hex}"
     marked: list[dict[str, Any]] = [{**m, "content": f"{sentinel}{i}\ue001"} for i, m in enumerate(messages)]
-    rendered = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False)
+    rendered = tokenizer.apply_chat_template(marked, tools=tools, add_generation_prompt=True, tokenize=False)
     parts = re.split(f"{re.escape(sentinel)}(\\d+)\ue001", rendered)
     pieces: list[Piece] = []
     for i, part in enumerate(parts):

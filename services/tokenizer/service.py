@@ -28,6 +28,7 @@ from services.tokenizer.detokenizer import SampleDetokenizer, SampleStep
 from services.tokenizer.model_files import Tokenizer
 from services.tokenizer.request_table import Action, Fail, RequestTable, Send
 from services.tokenizer.token_pieces import TokenPieces
+from services.tokenizer.tool_prompt import template_inputs
 from shared.actor import Actor
 from shared.hashing import hash_blocks
 from shared.messages import (
@@ -248,8 +249,8 @@ class TokenizerService(Actor):
         elif self.tokenizer is None:
             raise PromptError(f"model {self.model_id} has no tokenizer: send the prompt as token ids")
         elif req.messages is not None:
-            ids = chat_prompt_ids(self.tokenizer, [{"role": m.role, "content": m.content} for m in req.messages],
-                                  self.config.trust_message_special_tokens)
+            messages, tools = template_inputs(self.tokenizer, req.messages, req.tools, req.is_tool_call_required)
+            ids = chat_prompt_ids(self.tokenizer, messages, self.config.trust_message_special_tokens, tools)
         else:
             ids = list(self.tokenizer.encode(req.prompt_text))
         self._check_prompt(ids)
