@@ -61,7 +61,7 @@ class Gateway(Actor):
         self._status_poll_at = -math.inf
         self._metrics_polls: dict[str, asyncio.Future[bytes]] = {}  # MetricsRequest id → the scheduler's text
         self._tokenizer_polls: dict[str, asyncio.Future[Any]] = {}  # (De)TokenizeRequest id → the reply
-        self._watch = TokenizerWatch(config.tokenizer_silent_s)
+        self._watch = TokenizerWatch(len(config.tokenizer_addr_list), config.tokenizer_silent_s)
         self._sent_at: dict[str, float] = {}  # generations sent to a tokenizer and not ended → when (loop time)
         self._created_s = int(time.time())
         self._runner: web.AppRunner | None = None

@@ -112,7 +112,7 @@ def test_request_past_its_deadline_gets_504_and_is_aborted(cluster: Cluster) -> 
         cluster.wait_http(url)
         started = time.monotonic()
         resp = post(url, completion(MODEL, prompt(3, 20), 100_000))
-        assert resp.status_code == 504
+        assert resp.status_code == 504, resp.text
         assert resp.json()["error"]["code"] == "timeout"
         assert 1.4 < time.monotonic() - started < 4.0
         assert_back_to_baseline(cluster)  # the abort reached the worker: nothing keeps generating
