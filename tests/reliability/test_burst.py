@@ -31,7 +31,8 @@ SCHEDULER_TIMEOUT_S = 5.0  # the tokenizer's default --scheduler-timeout-s: a st
 
 def prompt(index: int) -> list[int]:
     """3,000 token ids, distinct from the first block on (no prefix is shared, as with --no-prefix-cache)."""
-    return [3 + index % 500, 3 + index // 500 % 500] + [3 + (index * 7 + j * 13) % 500 for j in range(PROMPT_TOKENS - 2)]
+    head = [3 + index % 500, 3 + index // 500 % 500]
+    return head + [3 + (index * 7 + j * 13) % 500 for j in range(PROMPT_TOKENS - len(head))]
 
 
 def post(url: str, body: dict[str, Any], start: threading.Barrier) -> tuple[int, Any]:
