@@ -90,7 +90,7 @@ def _naive_moe(experts: Experts, x: torch.Tensor, ids: torch.Tensor, weights: to
                             for j in range(ids.shape[1])) for t in range(x.shape[0])])
 
 
-def test_grouped_and_dense_paths_equal_the_per_token_sum() -> None:
+def test_grouped_path_equals_the_per_token_sum() -> None:
     torch.manual_seed(1)
     experts = Experts(num_experts=5, hidden_size=16, intermediate_size=8)
     torch.nn.init.normal_(experts.gate_up_proj, std=0.3)
@@ -100,7 +100,6 @@ def test_grouped_and_dense_paths_equal_the_per_token_sum() -> None:
     weights = torch.rand(9, 3)
     want = _naive_moe(experts, x, ids, weights)
     torch.testing.assert_close(experts._grouped(x, ids, weights), want, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(experts._dense(x, ids, weights), want, rtol=1e-5, atol=1e-6)
 
 
 MIXTRAL_MIN = {"architectures": ["MixtralForCausalLM"], "vocab_size": 100, "hidden_size": 64,

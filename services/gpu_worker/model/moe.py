@@ -1,10 +1,11 @@
-"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE): a softmax top-k router over SwiGLU experts, computed in torch.
+"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE): a softmax top-k router over SwiGLU experts.
 
-Tokens are grouped by expert: the T·k (token, expert) pairs are sorted by expert, each expert that was hit runs
-one GEMM pair over its contiguous rows, and the weighted rows are summed back per token (index_add_). The loop is
-over experts, never over tokens. The grouping needs the per-expert counts on the host (one sync per layer), which a
-CUDA graph capture cannot do: under capture every expert runs over all T tokens with a per-token weight that is
-zero where the router did not pick it (the same sum; decode steps are small).
+On CUDA the experts run on kernels/fused_moe.py: the (token, expert) pairs sorted by expert on the device, a
+grouped Triton GEMM over the experts that were hit and the top-k combine, with no host sync, so the same path runs
+eagerly and under CUDA graph capture. The torch path, the CPU's and the kernel's reference in the tests, groups the
+tokens by expert: the T·k (token, expert) pairs are sorted by expert, each expert that was hit runs one GEMM pair
+over its contiguous rows, and the weighted rows are summed back per token (index_add_). The loop is over experts,
+never over tokens; the group sizes are read on the host (one sync per layer).
 
 Parameter names follow transformers 5's fused layout, which `moe_families.py` builds from per-expert checkpoints:
 
@@ -25,6 +26,7 @@ class Experts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
+        self.use_fused: bool | None = None  # the Triton kernels; None: on CUDA (tests set it on the CPU's interpreter)
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
@@ -35,8 +37,11 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden]; top_ids, top_weights: [T, k] → Σ_j top_weights[t, j] · expert_{top_ids[t, j]}(x[t])."""
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            return self._dense(x, top_ids, top_weights)
+        use_fused = x.is_cuda if self.use_fused is None else self.use_fused
+        if use_fused:
+            from services.gpu_worker.kernels.fused_moe import fused_moe  # imports triton
+
+            return fused_moe(x, self.gate_up_proj, self.down_proj, top_ids, top_weights)
         return self._grouped(x, top_ids, top_weights)
 
     def _grouped(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
@@ -55,13 +60,6 @@ class Experts(nn.Module):
                 start += count
         out_rows *= top_weights.flatten()[order, None].to(x.dtype)
         return torch.zeros_like(x).index_add_(0, tokens, out_rows)  # [T, hidden]
-
-    def _dense(self, x: torch.Tensor, top_ids: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        for e in range(self.gate_up_proj.shape[0]):
-            weight = (top_weights * (top_ids == e)).sum(-1, keepdim=True).to(x.dtype)  # [T, 1]: 0 where not picked
-            out += weight * self.expert(e, x)
-        return out
 
 
 class SparseMoe(nn.Module):

@@ -1,0 +1,149 @@
+"""The mixture-of-experts MLP on the GPU: tokens sorted by expert, a grouped GEMM over the experts that were hit, and
+the top-k combine, with no host sync (so it runs under CUDA graph capture).
+
+    align_by_expert   the T·k (token, choice) pairs, pair p = t·k + j, sorted by expert and padded per expert to
+                      a multiple of BLOCK_M: `pair_ids` [max_padded] (padding holds T·k) and `block_expert`
+                      [max_padded / BLOCK_M] (num_experts past the last expert's blocks). Torch ops of fixed output
+                      sizes: max_padded = T·k + min(E, T·k)·(BLOCK_M − 1), rounded up to BLOCK_M.
+    _moe_gemm_kernel  one program per (BLOCK_M sorted pairs of one expert, BLOCK_N output columns): the gathered
+                      input rows times that expert's weight tile, fp32 accumulation. The gate_up pass keeps gate
+                      and up tiles side by side and writes silu(gate)·up [T·k, I]; the down pass multiplies by the
+                      routing weight in its epilogue and writes [T·k, H]. Padding rows are neither read nor written;
+                      blocks past the last expert's return at once.
+    combine           [T·k, H] viewed as [T, k, H], summed over k (no atomics).
+
+Weights in moe.py's layout: gate_up [E, 2I, H] (gate rows first), down [E, H, I].
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+class ExpertBlocks(NamedTuple):
+    """align_by_expert's result; block_m rows of pair_ids per entry of block_expert."""
+    pair_ids: torch.Tensor  # [max_padded] int32: a pair index t·k + j, or T·k for padding
+    block_expert: torch.Tensor  # [max_padded / block_m] int32: the block's expert, num_experts past the last
+    block_m: int
+
+
+class MoeTile(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def default_tile(num_pairs: int) -> MoeTile:
+    """Not measured yet (bench/kernel_table.py --moe): 16-row blocks when few pairs share an expert (decode), 64 above."""
+    return MoeTile(16, 64, 64) if num_pairs <= 1024 else MoeTile(64, 64, 64, num_stages=3)
+
+
+def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """The most rows align_by_expert can fill: each expert hit (at most min(E, T·k)) pads fewer than block_m rows."""
+    return triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m) * block_m
+
+
+def align_by_expert(top_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
+    """top_ids [T, k] → the pairs sorted by expert (stable: token order within an expert), each expert's run padded
+    to a multiple of block_m. Fixed output sizes and no host sync."""
+    flat = top_ids.flatten().long()  # [P]: pair p is token p // k's choice p % k
+    num_pairs, dev = flat.numel(), flat.device
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m  # [E]
+    padded_end = padded.cumsum(0)  # [E]
+    order = torch.argsort(flat, stable=True)  # [P]
+    sorted_experts = flat[order]
+    rank = torch.arange(num_pairs, device=dev) - (counts.cumsum(0) - counts)[sorted_experts]  # place within its expert
+    dest = (padded_end - padded)[sorted_experts] + rank  # [P]
+    max_padded = max_padded_pairs(num_pairs, num_experts, block_m)
+    pair_ids = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=dev).scatter_(0, dest, order.int())
+    block_starts = torch.arange(0, max_padded, block_m, device=dev)
+    block_expert = torch.searchsorted(padded_end, block_starts, right=True).int()  # experts ending at or before it
+    return ExpertBlocks(pair_ids, block_expert, block_m)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, pair_ids_ptr, block_expert_ptr, route_w_ptr, num_pairs, num_experts,
+                     N, K, stride_am, stride_we, stride_wn, stride_om, ROW_DIV: tl.constexpr, SILU_MUL: tl.constexpr,
+                     ROUTE_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert >= num_experts:  # past the last expert's blocks
+        return
+    pairs = tl.load(pair_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]
+    mask_m = pairs < num_pairs  # padding rows hold num_pairs
+    rows = (pairs // ROW_DIV).to(tl.int64)  # the input row: the token (gate_up) or the pair (down)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        a = tl.load(a_ptr + rows[:, None] * stride_am + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
+                    other=0.0)  # [BLOCK_M, BLOCK_K]
+        w_mask = mask_k[:, None] & mask_n[None, :]
+        w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
+        acc = tl.dot(a, w, acc)
+        if SILU_MUL:  # the up rows sit N rows below the gate rows
+            w_up = tl.load(w_base + (N + offs_n)[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
+            acc_up = tl.dot(a, w_up, acc_up)
+    if SILU_MUL:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    if ROUTE_WEIGHT:
+        acc *= tl.load(route_w_ptr + pairs, mask=mask_m, other=0.0).to(tl.float32)[:, None]
+    out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def moe_gemm(a: torch.Tensor, weight: torch.Tensor, blocks: ExpertBlocks, num_pairs: int, row_div: int,
+             silu_mul: bool, route_weights: torch.Tensor | None = None, tile: MoeTile | None = None) -> torch.Tensor:
+    """Row p of the result (p < num_pairs) is a[p // row_div] through the weight of p's expert: weight [E, N', K].
+    silu_mul: N' = 2N (gate then up), out [num_pairs, N] = silu(a·gateᵀ)·(a·upᵀ); else out [num_pairs, N'] = a·wᵀ,
+    times route_weights[p] ([num_pairs] fp32) when given."""
+    num_experts, rows_out, k = weight.shape
+    n = rows_out // 2 if silu_mul else rows_out
+    assert a.shape[1] == k and a.stride(1) == 1 and weight.stride(2) == 1
+    tile = tile or default_tile(num_pairs)
+    assert tile.block_m == blocks.block_m
+    out = torch.empty((num_pairs, n), dtype=a.dtype, device=a.device)
+    grid = (blocks.block_expert.numel(), triton.cdiv(n, tile.block_n))
+    _moe_gemm_kernel[grid](
+        a, weight, out, blocks.pair_ids, blocks.block_expert, route_weights if route_weights is not None else a,
+        num_pairs, num_experts, n, k, a.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
+        ROW_DIV=row_div, SILU_MUL=silu_mul, ROUTE_WEIGHT=route_weights is not None, BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps, num_stages=tile.num_stages)
+    return out
+
+
+def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_ids: torch.Tensor,
+              top_weights: torch.Tensor, tile: MoeTile | None = None) -> torch.Tensor:
+    """x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; top_ids [T, k]; top_weights [T, k] fp32 →
+    Σ_j top_weights[t, j] · down_e · (silu(gate_e · x_t) · up_e · x_t), e = top_ids[t, j]: [T, H] in x's dtype."""
+    num_tokens, k = top_ids.shape
+    num_pairs = num_tokens * k
+    if num_pairs == 0:
+        return torch.zeros_like(x)
+    tile = tile or default_tile(num_pairs)
+    blocks = align_by_expert(top_ids, gate_up.shape[0], tile.block_m)
+    act = moe_gemm(x, gate_up, blocks, num_pairs, k, silu_mul=True, tile=tile)  # [T·k, I]
+    weights = top_weights.flatten().float().contiguous()  # [T·k]
+    out_pairs = moe_gemm(act, down, blocks, num_pairs, 1, silu_mul=False, route_weights=weights, tile=tile)
+    return out_pairs.view(num_tokens, k, -1).sum(dim=1)  # [T, H]
+
+
+def fused_moe_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_ids: torch.Tensor,
+                  top_weights: torch.Tensor) -> torch.Tensor:
+    """fp32 reference of `fused_moe`, straight from the definition: each pair's expert weights gathered."""
+    h = torch.einsum("th,tknh->tkn", x.float(), gate_up[top_ids].float())  # [T, k, 2I]
+    gate, up = h.chunk(2, dim=-1)
+    y = torch.einsum("tki,tkhi->tkh", F.silu(gate) * up, down[top_ids].float())  # [T, k, H]
+    return (y * top_weights.float()[..., None]).sum(dim=1).to(x.dtype)
