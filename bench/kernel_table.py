@@ -11,10 +11,12 @@ from DRAM, and a row is what the kernel costs as a node of the engine's graphs: 
 next node. The row `empty`, a kernel of one program that does nothing, is that floor.
 
     python -m bench.kernel_table --out $OUT [--tile-sweep] [--split-sweep] [--gemv-sweep]   # Llama-3.1-8B, on the GPU
+    python -m bench.kernel_table --out $OUT --no-table --moe [--moe-tiles 16,64,64,4,2;...]  # Qwen3-30B-A3B's MoE
 
 The sweeps time one kernel over its options: the decode kernel by tile at small batches and by split count at large
 ones; the model's projections on cuBLAS and on kernels/gemv.py by tile and split count (gemv_sweep, whose fastest
-tiles gemv_tuning turns into that module's TUNED table).
+tiles gemv_tuning turns into that module's TUNED table). --moe times the fused MoE layer (kernels/fused_moe.py) on
+Qwen3-30B-A3B's expert shapes, by token count and, with --moe-tiles, by tile.
 """
 from __future__ import annotations
 
@@ -57,6 +59,19 @@ class Shapes:
     argmax_rows: tuple
 
 
+@dataclass(frozen=True)
+class MoeShapes:
+    """A mixture-of-experts layer's shapes and the token counts to measure it at."""
+    hidden: int
+    inter: int  # each expert's SwiGLU width
+    num_experts: int
+    top_k: int
+    tokens: tuple
+
+
+QWEN3_30B_A3B = MoeShapes(hidden=2048, inter=768, num_experts=128, top_k=8, tokens=(1, 8, 64, 256, 2048))
+
+
 LLAMA3_8B = Shapes(hidden=4096, heads=32, kv_heads=8, head_dim=128, inter=14336, vocab=128256, page_size=16,
                    decode=((1, 640), (1, 4096), (8, 640), (64, 2048), (128, 640), (256, 1504), (384, 1504)),
                    tokens=(1, 256, 4096), extend=((4, 512), (1, 2048)), argmax_rows=(1, 128))
@@ -92,7 +107,7 @@ class Table:
     """The rows, measured in turn. build(i) → (call, error) gives copy i's call over inputs of its own; error (used
     for copy 0 only) runs that call once and returns its error against the reference."""
 
-    def __init__(self, shapes: Shapes, timer: Timer, max_calls: int, copy_tbs: float | None, device: str,
+    def __init__(self, shapes: Shapes | None, timer: Timer, max_calls: int, copy_tbs: float | None, device: str,
                  dtype: torch.dtype) -> None:
         self.s, self.timer, self.max_calls, self.copy_tbs, self.dev = shapes, timer, max_calls, copy_tbs, device
         self.dtype, self.esize = dtype, dtype.itemsize  # the activations'
@@ -330,6 +345,27 @@ class Table:
 
         self.measure(f"embedding_T{tokens}", 2 * tokens * self.s.hidden * self.esize, build)
 
+    def moe(self, m: MoeShapes, tokens: int, tile: tuple | None = None) -> dict:
+        """The fused MoE layer (align, both grouped GEMMs, top-k combine) over a random routing of `tokens` tokens,
+        each call with weights and a routing of its own. Bytes: x, the output and the weights of the experts hit
+        (their expected number, E·(1 − (1 − k/E)^T) for k distinct experts a token drawn at random)."""
+        from services.gpu_worker.kernels import fused_moe as fm
+
+        cfg = None if tile is None else fm.MoeTile(*tile)
+
+        def build(i: int):
+            gate_up = self.randn(m.num_experts, 2 * m.inter, m.hidden) * m.hidden ** -0.5  # [E, 2I, H]
+            down = self.randn(m.num_experts, m.hidden, m.inter) * m.inter ** -0.5  # [E, H, I]
+            x = self.randn(tokens, m.hidden)
+            weights, ids = torch.rand(tokens, m.num_experts, device=self.dev).topk(m.top_k)  # [T, k] each
+            call = lambda: fm.fused_moe(x, gate_up, down, ids, weights, tile=cfg)  # noqa: E731
+            return call, (lambda: rel_err(call(), fm.fused_moe_ref(x, gate_up, down, ids, weights)))
+
+        hit = m.num_experts * (1 - (1 - m.top_k / m.num_experts) ** tokens)
+        num_bytes = round(hit * 3 * m.hidden * m.inter * self.esize) + 2 * tokens * m.hidden * self.esize
+        label = "" if tile is None else "_{}x{}x{}w{}s{}".format(*tile)
+        return self.measure(f"moe_E{m.num_experts}_k{m.top_k}_T{tokens}{label}", num_bytes, build,
+                            flops=2 * tokens * m.top_k * 3 * m.hidden * m.inter)
 
     def gemv(self, name: str, tokens: int, n: int, k: int, parts: int, config: tuple | None = None) -> dict:
         """x [tokens, k] @ w [n, k]ᵀ: on the Triton GEMV with `config` (kernels/gemv.py; parts > 1: fp32 partials), or
@@ -483,6 +519,17 @@ def gemv_tuning(best: dict, tokens: int = 1) -> tuple[dict, int]:
     return tuned, (min(counts, key=row_time) if counts else g.ROW_PARTS)
 
 
+def moe_rows(shapes: MoeShapes = QWEN3_30B_A3B, timer: Timer = graph_timer, max_calls: int = MAX_CALLS,
+             copy_tbs: float | None = None, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
+             tiles: tuple = (None,)) -> dict:
+    """The fused MoE at each of shapes.tokens, with each tile (MoeTile fields; None: fused_moe.default_tile)."""
+    t = Table(None, timer, max_calls, copy_tbs, device, dtype)
+    for tokens in shapes.tokens:
+        for tile in tiles:
+            t.moe(shapes, tokens, tile)
+    return t.rows
+
+
 def markdown(rows: dict) -> str:
     lines = ["| kernel | µs per call | TB/s | of copy | TFLOP/s | error |", "| --- | --- | --- | --- | --- | --- |"]
     for name, r in rows.items():
@@ -504,6 +551,10 @@ def main() -> int:
                    "(SPLIT_SHAPES x SPLIT_COUNTS), under the key split_sweep")
     p.add_argument("--gemv-sweep", action="store_true", help="also the projections on cuBLAS and on the Triton GEMV "
                    "by tile and split count at 1 and 8 tokens (gemv_sweep), under the key gemv_sweep")
+    p.add_argument("--moe", action="store_true", help="also the fused MoE layer on Qwen3-30B-A3B's expert shapes "
+                   "(moe_rows), under the key moe")
+    p.add_argument("--moe-tiles", default="", help="--moe with these tiles (block_m,block_n,block_k,warps,stages "
+                   "separated by ';') instead of fused_moe.default_tile")
     p.add_argument("--no-table", action="store_true", help="leave out the kernels' rows (with a sweep)")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -521,9 +572,11 @@ def main() -> int:
     fp8_tiles = tuple(parse_tile(tile) for tile in args.sweep_fp8_tiles.split(";") if tile)
     sweep = functools.partial(tile_sweep, sweep_shapes=shapes or SWEEP_SHAPES, tiles={FP8: fp8_tiles} if fp8_tiles
                               else None)
+    moe_tiles = tuple(tuple(int(x) for x in tile.split(",")) for tile in args.moe_tiles.split(";") if tile)
+    moe = functools.partial(moe_rows, tiles=moe_tiles or (None,))
     parts = (({} if args.no_table else {"rows": table}) | ({"tile_sweep": sweep} if args.tile_sweep else {})
              | ({"split_sweep": split_sweep} if args.split_sweep else {})
-             | ({"gemv_sweep": gemv_sweep} if args.gemv_sweep else {}))
+             | ({"gemv_sweep": gemv_sweep} if args.gemv_sweep else {}) | ({"moe": moe} if args.moe else {}))
     for key, run in parts.items():
         record[key] = run(copy_tbs=copy_tbs)
         (out / "kernel_table.json").write_text(json.dumps(record, indent=2))

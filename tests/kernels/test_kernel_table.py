@@ -100,3 +100,21 @@ def test_the_gemv_sweep_checks_each_tile_and_tunes_from_the_fastest():
     down = res["best"][f"down_M1_p{row_parts}"]
     assert tuned[(SMALL.hidden, SMALL.inter, row_parts, 1)] == g.GemvConfig(*down["config"])
     assert {key[3] for key in tuned} == {1} and len(tuned) == sum(1 for k in res["best"] if "_M1_" in k)
+
+
+def test_the_moe_rows_check_the_fused_layer_and_count_the_experts_hit():
+    """Each token count and tile runs the fused MoE against its reference; the bytes are x, the output and the
+    expected weights of the experts hit (all of them once every token picks all, here at k = E)."""
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    timer = kt.graph_timer if DEVICE == "cuda" else kt.eager_timer
+    shapes = kt.MoeShapes(hidden=32, inter=24, num_experts=4, top_k=2, tokens=(1, 9))
+    rows = kt.moe_rows(shapes, timer=timer, max_calls=2, device=DEVICE, dtype=dtype,
+                       tiles=(None, (16, 16, 16, 4, 1)))
+    assert set(rows) == {f"moe_E4_k2_T{t}{tile}" for t in (1, 9) for tile in ("", "_16x16x16w4s1")}
+    for name, row in rows.items():
+        assert row["rel_err"] <= (2e-2 if dtype == torch.bfloat16 else 1e-5), (name, row)
+        assert row["calls"] == 2 and row["tflops"] >= 0
+    esize, expert_bytes = dtype.itemsize, 3 * 32 * 24 * dtype.itemsize
+    assert rows["moe_E4_k2_T1"]["bytes"] == 2 * expert_bytes + 2 * 32 * esize  # one token: its 2 experts
+    everyone = kt.moe_rows(kt.MoeShapes(32, 24, 4, 4, (3,)), timer=timer, max_calls=2, device=DEVICE, dtype=dtype)
+    assert everyone["moe_E4_k4_T3"]["bytes"] == 4 * expert_bytes + 2 * 3 * 32 * esize

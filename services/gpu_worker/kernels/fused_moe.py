@@ -40,7 +40,8 @@ class MoeTile(NamedTuple):
 
 
 def default_tile(num_pairs: int) -> MoeTile:
-    """Not measured yet (bench/kernel_table.py --moe): 16-row blocks when few pairs share an expert (decode), 64 above."""
+    """Not measured yet (bench/kernel_table.py --moe): 16-row blocks when few pairs share an expert (decode), else
+    64."""
     return MoeTile(16, 64, 64) if num_pairs <= 1024 else MoeTile(64, 64, 64, num_stages=3)
 
 
@@ -91,7 +92,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, pair_ids_ptr, block_expert_ptr, rout
         a = tl.load(a_ptr + rows[:, None] * stride_am + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
                     other=0.0)  # [BLOCK_M, BLOCK_K]
         w_mask = mask_k[:, None] & mask_n[None, :]
-        w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
+        w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)  # [BK, BN]
         acc = tl.dot(a, w, acc)
         if SILU_MUL:  # the up rows sit N rows below the gate rows
             w_up = tl.load(w_base + (N + offs_n)[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
@@ -107,8 +108,8 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, pair_ids_ptr, block_expert_ptr, rout
 def moe_gemm(a: torch.Tensor, weight: torch.Tensor, blocks: ExpertBlocks, num_pairs: int, row_div: int,
              silu_mul: bool, route_weights: torch.Tensor | None = None, tile: MoeTile | None = None) -> torch.Tensor:
     """Row p of the result (p < num_pairs) is a[p // row_div] through the weight of p's expert: weight [E, N', K].
-    silu_mul: N' = 2N (gate then up), out [num_pairs, N] = silu(a·gateᵀ)·(a·upᵀ); else out [num_pairs, N'] = a·wᵀ,
-    times route_weights[p] ([num_pairs] fp32) when given."""
+    silu_mul: N' = 2N (gate then up), out [num_pairs, N] = silu(a·gateᵀ)·(a·upᵀ); else out [num_pairs, N'] =
+    a·wᵀ, times route_weights[p] ([num_pairs] fp32) when given."""
     num_experts, rows_out, k = weight.shape
     n = rows_out // 2 if silu_mul else rows_out
     assert a.shape[1] == k and a.stride(1) == 1 and weight.stride(2) == 1
