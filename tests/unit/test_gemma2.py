@@ -10,13 +10,10 @@ import pytest
 import torch
 import transformers
 
-from services.gpu_worker.engine import Engine
-from services.gpu_worker.engine_config import EngineConfig
 from services.gpu_worker.model.gemma2 import Gemma2ForCausalLM
 from services.gpu_worker.model.loader import LoadedModel, config_from_hf, load_model
-from services.gpu_worker.request import SamplingParams
-from tests.unit.hf_checkpoints import NUM_NEW, greedy_both_ways, random_prompts, save_checkpoint
-from tests.unit.step_modes import MODE, step_mode  # noqa: F401 - step_mode: autouse, both modes
+from tests.unit.hf_checkpoints import greedy_both_ways, save_with_random_norms, worst_logprob_gap
+from tests.unit.step_modes import step_mode  # noqa: F401 - step_mode: autouse, both modes
 
 # strong caps and a window of 8 (prompts reach 40 tokens), so every feature shows in the outputs
 TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
@@ -27,37 +24,15 @@ TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_lay
 
 @functools.cache
 def _checkpoint(root: str) -> tuple[Path, transformers.PreTrainedModel]:
-    """A tiny random Gemma 2 (norm weights drawn too: transformers initialises them to 0, i.e. a gain of 1)."""
+    """A tiny random Gemma 2, its norm weights drawn too."""
     torch.manual_seed(0)
-    model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**TINY)).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.normal_(0.0, 0.3)
-    return save_checkpoint(model, root, "tiny-gemma2")
+    return save_with_random_norms(transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**TINY)), root,
+                                  "tiny-gemma2")
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, transformers.PreTrainedModel]:
     return _checkpoint(str(tmp_path_factory.mktemp("gemma2")))
-
-
-@torch.inference_mode()
-def _hf_logprobs(model: transformers.PreTrainedModel, prompt: list[int]) -> list[float]:
-    """The log-probability of each greedy token under transformers' (soft-capped) logits."""
-    gen = transformers.GenerationConfig(max_new_tokens=NUM_NEW, do_sample=False, eos_token_id=None, pad_token_id=0,
-                                        output_logits=True, return_dict_in_generate=True)
-    out = model.generate(torch.tensor([prompt]), generation_config=gen)
-    tokens = out.sequences[0, len(prompt):]
-    return [torch.log_softmax(step[0].float(), -1)[tok].item() for step, tok in zip(out.logits, tokens)]
-
-
-def _engine_logprobs(loaded: LoadedModel, prompts: list[list[int]]) -> list[list[float]]:
-    settings = EngineConfig(model=loaded.source_dir, device="cpu", dtype="float32", num_pages=256, page_size=4,
-                            enable_overlap=MODE["overlap"])
-    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True, logprobs=0)
-    results = Engine(settings, loaded=loaded).generate(prompts, params)
-    return [[lp.logprob for lp in r.samples[0].logprobs] for r in results]
 
 
 @pytest.mark.parametrize("max_num_batched_tokens", [None, 7])
@@ -82,10 +57,7 @@ def test_logprobs_equal_transformers_only_with_every_feature(checkpoint, off: st
     path, hf = checkpoint
     loaded = load_model(str(path))
     loaded = LoadedModel(loaded.config.with_(**FEATURES_OFF[off]), loaded.state_dict, None, loaded.source_dir)
-    prompts = random_prompts(TINY["vocab_size"], num=3)
-    got = torch.tensor([lp for row in _engine_logprobs(loaded, prompts) for lp in row])
-    want = torch.tensor([lp for p in prompts for lp in _hf_logprobs(hf, p)])
-    worst = (got - want).abs().max().item()
+    worst = worst_logprob_gap(loaded, hf, TINY["vocab_size"])
     assert worst < 1e-4 if off == "exact" else worst > 1e-2
 
 

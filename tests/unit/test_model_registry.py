@@ -13,7 +13,7 @@ from services.gpu_worker.model.presets import PRESETS
 from services.gpu_worker.model.registry import ARCHITECTURES, architecture_for_hf, architecture_for_type
 
 SUPPORTED = ("LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, "
-             "MixtralForCausalLM, Qwen3MoeForCausalLM, Gemma2ForCausalLM")
+             "MixtralForCausalLM, Qwen3MoeForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM")
 BASE = {"vocab_size": 100, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
         "num_attention_heads": 4}
 
@@ -40,12 +40,17 @@ def test_a_known_model_type_with_another_head_is_refused() -> None:
 def test_architectures_picks_the_entry_and_model_type_is_the_fallback() -> None:
     assert architecture_for_hf({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}).model_type == "qwen3"
     assert architecture_for_hf({"model_type": "mistral"}).hf_name == "MistralForCausalLM"
-    supported_types = "llama, mistral, qwen2, qwen3, phi3, mixtral, qwen3_moe, gemma2"
+    supported_types = "llama, mistral, qwen2, qwen3, phi3, mixtral, qwen3_moe, gemma2, gemma3_text"
     with pytest.raises(ValueError, match=f"unsupported model_type 'gpt2'; supported: {supported_types}"):
         architecture_for_hf({"model_type": "gpt2"})
 
 
-@pytest.mark.parametrize("name", list(PRESETS))
+# the presets whose family has a config.json writer (not yet Qwen3-MoE's nor Gemma's: random:qwen3-30b-a3b and
+# random:gemma2-9b are tested in test_presets.py)
+WRITABLE = [name for name, cfg in PRESETS.items() if architecture_for_type(cfg.arch).config_to_hf is not None]
+
+
+@pytest.mark.parametrize("name", WRITABLE)
 def test_random_presets_map_onto_registered_architectures(name: str) -> None:
     cfg = PRESETS[name]
     arch = architecture_for_type(cfg.arch)

@@ -34,3 +34,6 @@ class Architecture:
     # a checkpoint may also hold the model's own names and layout (loader.param_shapes): read as it is, no mapping
     # (MoE: transformers 5's in-memory fused experts, gate_up_proj [E, 2 I, hidden], as some converters save them)
     accepts_model_layout: bool = False
+    # the model's own parameters (names and shapes) where they are more than loader.param_shapes' Llama layout
+    # (Gemma's four norms a layer); random presets draw these
+    model_shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]] | None = None

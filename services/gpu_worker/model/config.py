@@ -24,7 +24,8 @@ class ModelConfig:
     Covers Llama 2/3 (`rope_scaling`), Mistral, Qwen2 (`attention_bias`), Qwen3 (`qk_norm`), SmolLM2
     (`tie_word_embeddings`), Phi-3 (fused checkpoint tensors, split on load: model/phi3.py) and the
     mixture-of-experts Mixtral and Qwen3-MoE (`num_experts` > 0: model/moe.py, model/moe_families.py); Gemma 2
-    (model/gemma2.py) adds soft-capping, its attention scale and sliding-window layers.
+    (model/gemma2.py) adds soft-capping, its attention scale and sliding-window layers; Gemma 3 (model/gemma3.py) q/k
+    norms and a RoPE base of its own for the local layers.
     """
 
     arch: str  # a registered model_type (model/registry.py): "llama" | "mistral" | "qwen2" | "qwen3" | "phi3" | ...
@@ -51,7 +52,8 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None  # Gemma 2: attention logits → cap · tanh(logits / cap)
     final_logit_softcapping: float | None = None  # Gemma 2: the LM head's logits likewise
     sliding_window: int | None = None  # the window of the layers in sliding_window_layers (positions, own included)
-    sliding_window_layers: tuple[int, ...] = ()  # Gemma 2: the local (sliding-window) layers
+    sliding_window_layers: tuple[int, ...] = ()  # Gemma 2/3: the local layers (windowed when sliding_window is set)
+    rope_local_theta: float | None = None  # Gemma 3: the local layers' RoPE base (unscaled); None: rope_theta
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     model_id: str = ""  # salts the block hashes; names the model in the API

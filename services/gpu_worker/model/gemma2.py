@@ -14,7 +14,7 @@ NOTE: every layer keeps its whole KV; a local layer only reads the window of it.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -41,30 +41,45 @@ _NULLABLE = ("sliding_window", "final_logit_softcapping", "attn_logit_softcappin
 _NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 
+_FAMILY = {"gemma2": "Gemma 2", "gemma3_text": "Gemma 3"}  # model_type → the name errors give
+
+
 def config_from_hf(cfg_dict: dict, model_id: str) -> ModelConfig:
     """A ModelConfig from a Gemma 2 config.json dict, with transformers' defaults for absent keys."""
-    d = hf_values(cfg_dict, _DEFAULTS)
+    theta, scaling = rope_from_hf(cfg_dict)
+    return gemma_config("gemma2", cfg_dict, _DEFAULTS, model_id, local_every=2, rope_theta=theta,
+                        rope_scaling=scaling)
+
+
+def gemma_config(arch: str, cfg_dict: dict, defaults: dict, model_id: str, local_every: int,
+                 **fields: Any) -> ModelConfig:
+    """The fields Gemma 2 and 3 read alike (norm eps, attention scale, soft-caps, window, local layers), plus fields.
+
+    The local layers: those `layer_types` names "sliding_attention"; without that list, every layer but each
+    `local_every`-th (Gemma 2: 2, the even ones local; Gemma 3: its `sliding_window_pattern`, 6 by default). They
+    stay local (Gemma 3: their own RoPE base) when `sliding_window` is null, only without a window."""
+    name = _FAMILY[arch]
+    d = hf_values(cfg_dict, defaults)
     for key in _NULLABLE:  # an explicit null turns the feature off (hf_values drops nulls for the defaults)
         if key in cfg_dict:
             d[key] = cfg_dict[key]
     act = d.get("hidden_activation", d.get("hidden_act"))
     if act != "gelu_pytorch_tanh":
-        raise ValueError(f"Gemma 2: unsupported hidden_activation {act!r}; only 'gelu_pytorch_tanh' is supported")
+        raise ValueError(f"{name}: unsupported hidden_activation {act!r}; only 'gelu_pytorch_tanh' is supported")
     if d.get("use_bidirectional_attention") or d.get("attention_bias"):
-        raise ValueError("Gemma 2: use_bidirectional_attention and attention_bias are not supported")
+        raise ValueError(f"{name}: use_bidirectional_attention and attention_bias are not supported")
     num_layers = int(d["num_hidden_layers"])
-    layer_types = d.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
+    layer_types = d.get("layer_types") or ["full_attention" if (i + 1) % local_every == 0 else "sliding_attention"
                                            for i in range(num_layers)]
-    theta, scaling = rope_from_hf(cfg_dict)
     window = d.get("sliding_window")
     return dense_config(
-        "gemma2", d, model_id, rope_theta=theta, rope_scaling=scaling, rms_norm_eps=float(d["rms_norm_eps"]),
+        arch, d, model_id, rms_norm_eps=float(d["rms_norm_eps"]),
         query_pre_attn_scalar=float(d["query_pre_attn_scalar"]),
         attn_logit_softcapping=_optional_float(d.get("attn_logit_softcapping")),
         final_logit_softcapping=_optional_float(d.get("final_logit_softcapping")),
         sliding_window=None if window is None else int(window),
-        sliding_window_layers=() if window is None else tuple(
-            i for i, kind in enumerate(layer_types) if kind == "sliding_attention"))
+        sliding_window_layers=tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention"),
+        **fields)
 
 
 def _optional_float(value: float | None) -> float | None:
@@ -118,6 +133,9 @@ class Gemma2Layer(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg, layer)
         self.self_attn.spec = layer_attention(cfg, layer)
+        if cfg.qk_norm:  # Gemma 3: q and k normed over head_dim as Gemma norms them, (1 + w)
+            self.self_attn.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.self_attn.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.mlp = GeGLU(cfg)
         for name in _NORMS:
             setattr(self, name, GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
@@ -133,7 +151,7 @@ class Gemma2Stack(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         if tp is not None:
-            raise ValueError("Gemma 2 does not run tensor parallel yet; use tensor_parallel_size=1")
+            raise ValueError(f"{_FAMILY[cfg.arch]} does not run tensor parallel yet; use tensor_parallel_size=1")
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Gemma2Layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -166,4 +184,5 @@ GEMMA2 = Architecture(
     checkpoint_shapes=checkpoint_shapes,
     to_model_weights=same_weights,
     model_class=Gemma2ForCausalLM,
+    model_shapes=checkpoint_shapes,
 )

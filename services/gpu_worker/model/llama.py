@@ -165,10 +165,14 @@ class LlamaForCausalLM(nn.Module):
         if fed is not None:
             input_ids = torch.where(fed[0] >= 0, fed[1][fed[0].clamp_min(0).long()], input_ids.long())
         h = self.embed(input_ids)  # [T, hidden]
-        cos, sin = cos_sin(positions, self.inv_freq, h.dtype)  # [T, D]
-        for layer in self.model.layers:
+        for layer, (cos, sin) in zip(self.model.layers, self.rope(positions, h.dtype)):
             h = layer(h, cos, sin, cache, meta, backend)
         return self.model.norm(h)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's RoPE (cos, sin), [T, head_dim] each, at positions [T]: one table that every layer shares
+        (a family whose layers differ in RoPE base builds one per kind: gemma3.py)."""
+        return [cos_sin(positions, self.inv_freq, dtype)] * len(self.model.layers)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: [T] → [T, hidden]: the embedding rows (a family may scale them: gemma2.py)."""

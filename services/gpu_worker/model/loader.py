@@ -88,7 +88,7 @@ def random_state_dict(
     identical on every device, unless the model is over 2**30 parameters and `device` is an
     accelerator: then drawn there (deterministic per device type) to spare host memory and time.
     """
-    shapes = param_shapes(cfg)
+    shapes = model_shapes(cfg)
     device = torch.device(device)
     big = sum(int(np.prod(s)) for s in shapes.values()) > _DEVICE_RANDOM_THRESHOLD
     gen_device = device if big and device.type != "cpu" else torch.device("cpu")
@@ -96,6 +96,12 @@ def random_state_dict(
         name: _random_tensor(name, shape, seed, gen_device).to(device=device, dtype=dtype)
         for name, shape in shapes.items()
     }
+
+
+def model_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The model's parameters by name, with their shapes: the Llama layout (param_shapes) unless its architecture
+    declares its own (Gemma: model/gemma2.py)."""
+    return (architecture_for_type(cfg.arch).model_shapes or param_shapes)(cfg)
 
 
 def _random_tensor(name: str, shape: tuple[int, ...], seed: int, device: torch.device) -> torch.Tensor:
@@ -138,7 +144,7 @@ def load_hf_dir(
         state_dict = _read_safetensors(path, param_shapes(cfg), dtype, device)
     else:
         state_dict = arch.to_model_weights(_read_safetensors(path, arch.checkpoint_shapes(cfg), dtype, device), cfg)
-    _check_shapes(state_dict, param_shapes(cfg), str(path))
+    _check_shapes(state_dict, model_shapes(cfg), str(path))
     has_tokenizer = any((path / f).is_file() for f in _TOKENIZER_FILES)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path) if has_tokenizer else None
     return LoadedModel(cfg, state_dict, tokenizer, str(path))

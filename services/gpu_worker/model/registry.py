@@ -3,7 +3,7 @@
 Adding a family: a file in model/ that declares an `Architecture` (see phi3.py), and a line in ARCHITECTURES."""
 from __future__ import annotations
 
-from services.gpu_worker.model import gemma2, llama_family, moe_families, phi3
+from services.gpu_worker.model import gemma2, gemma3, llama_family, moe_families, phi3
 from services.gpu_worker.model.architecture import Architecture
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -17,6 +17,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         moe_families.MIXTRAL,
         moe_families.QWEN3_MOE,
         gemma2.GEMMA2,
+        gemma3.GEMMA3,
     )
 }
 _BY_MODEL_TYPE = {arch.model_type: arch for arch in ARCHITECTURES.values()}
