@@ -1,4 +1,4 @@
-"""Gemma 2 (`Gemma2ForCausalLM`): its config mapping, its blocks and its registry entry.
+"""Gemma 2 (`Gemma2ForCausalLM`): its config mapping, its blocks and its registry entry (gemma3.py builds on them).
 
 What differs from llama.py: the embedding scaled by sqrt(hidden); RMSNorm weights stored as offsets from 1
 (x̂ · (1 + w), multiplied in fp32); each block norms the attention and MLP outputs too (four norms a layer); GeGLU
