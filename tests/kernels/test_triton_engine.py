@@ -94,6 +94,61 @@ def test_gemma2_triton_engine_equals_torch_cpu_interpreter():
     assert _assert_same_greedy(ref, got, 1e-4) == 3 * 4
 
 
+def _tiny_qwen3_moe(dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:
+    """A two-layer Qwen3-MoE (q/k norms, 6 experts of which 2 routed and renormalised; layer 1 a dense MLP)."""
+    from services.gpu_worker.model.loader import model_shapes
+    from services.gpu_worker.model.moe_families import config_from_hf
+
+    cfg = config_from_hf("qwen3_moe", {
+        "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 300, "hidden_size": 64, "intermediate_size": 48,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+        "mlp_only_layers": [1]}, "tiny-qwen3-moe")
+    gen = torch.Generator().manual_seed(3)
+    state = {name: torch.randn(shape, generator=gen) * (0.3 if "norm" in name else shape[-1] ** -0.5)
+             for name, shape in model_shapes(cfg).items()}
+    return LoadedModel(cfg, {name: t.to(device, dtype) for name, t in state.items()}, None, None)
+
+
+@pytest.mark.parametrize("fused_experts", [False, True])
+def test_moe_triton_engine_equals_torch_cpu_interpreter(fused_experts):
+    """A mixture-of-experts model on the fused forward (Triton norms, fused q/k/v, RoPE in the KV write) keeps its
+    routed experts between the norms (on the fused MoE kernel when fused_experts): the torch backend's tokens."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter (CPU) only")
+    loaded = _tiny_qwen3_moe()
+    prompts = _prompts(loaded.config.vocab_size, 3, 14)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2)
+    runs = []
+    for backend in ("torch", "triton"):
+        config = EngineConfig(model="tiny-qwen3-moe", device=DEVICE, dtype="float32", num_pages=64, page_size=16,
+                              attention_backend=backend, max_num_batched_tokens=8)
+        engine = Engine(config, loaded=loaded)
+        assert engine.model.is_fused == (backend == "triton")
+        for layer in engine.model.model.layers:
+            if hasattr(layer.mlp, "experts"):
+                layer.mlp.experts.use_fused = fused_experts
+        runs.append([r.samples[0] for r in engine.generate(prompts, params)])
+    ref, got = runs
+    assert [s.token_ids for s in got] == [s.token_ids for s in ref]
+    assert _assert_same_greedy(ref, got, 1e-4) == 3 * 4
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_moe_triton_engine_equals_torch_gpu():
+    """The MoE model on the fused forward and the fused MoE kernel, eager and under CUDA graphs, in bf16."""
+    loaded = _tiny_qwen3_moe(torch.bfloat16, "cuda")
+    prompts = _prompts(loaded.config.vocab_size, 24, 300)
+    ref = _generate("tiny-qwen3-moe", loaded, prompts, 24, "bfloat16", attention_backend="torch")
+    eager = _generate("tiny-qwen3-moe", loaded, prompts, 24, "bfloat16", attention_backend="triton",
+                      enable_cuda_graphs=False)
+    graphs = _generate("tiny-qwen3-moe", loaded, prompts, 24, "bfloat16", attention_backend="triton",
+                       max_num_batched_tokens=256)
+    assert _assert_same_greedy(ref, eager, 0.1) >= len(prompts) * 12
+    assert _assert_same_greedy(ref, graphs, 0.1) >= len(prompts) * 12
+
+
 @pytest.mark.gpu
 @gpu_only
 @pytest.mark.parametrize("preset", ["tiny-llama", "qwen3-0.6b", "smollm2-135m"])

@@ -11,7 +11,10 @@ many tokens run their four projections and the LM head on the Triton GEMV (kerne
 same function, o_proj and down_proj as gemv.ROW_PARTS split-K partials for the next RMSNorm.
 
 Under tensor parallelism (model.tp set) the projections hold this rank's heads and MLP share, and the
-o_proj and down_proj outputs are summed over the ranks before the next RMSNorm+residual."""
+o_proj and down_proj outputs are summed over the ranks before the next RMSNorm+residual.
+
+A mixture-of-experts layer (Mixtral, Qwen3-MoE) keeps its own MLP module (model/moe.py: the router, then the fused
+Triton MoE kernel on CUDA) between the same Triton norms; its attention is fused as above."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -45,7 +48,12 @@ def fuse_projections(model: nn.Module) -> None:
         qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
         attn.qkv_weight = _concat(qkv, "weight")  # [(H + 2 KVH) * D, hidden]
         attn.qkv_bias = _concat(qkv, "bias") if attn.q_proj.bias is not None else None
-        mlp.gate_up_weight = _concat((mlp.gate_proj, mlp.up_proj), "weight")  # [2 I, hidden]
+        if not _is_moe(mlp):  # experts are stacked already (model/moe.py)
+            mlp.gate_up_weight = _concat((mlp.gate_proj, mlp.up_proj), "weight")  # [2 I, hidden]
+
+
+def _is_moe(mlp: nn.Module) -> bool:
+    return hasattr(mlp, "experts")
 
 
 def _concat(linears: tuple[nn.Linear, ...], name: str) -> torch.Tensor:
@@ -80,6 +88,9 @@ def forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, 
         x, residual = rms_norm(h, layer.input_layernorm.weight, eps, residual)
         h = _attention(layer.self_attn, x, positions, model.inv_freq, cache, meta, backend, num_parts, gemv)
         x, residual = rms_norm(h, layer.post_attention_layernorm.weight, eps, residual)
+        if _is_moe(layer.mlp):
+            h = layer.mlp(x)  # [T, hidden]: routed experts (no TP: refused at load)
+            continue
         gate_up = _column_projection(x, layer.mlp.gate_up_weight, None, gemv)  # [T, 2 I] (I: this rank's share)
         h = _reduce(_row_projection(silu_mul(gate_up), layer.mlp.down_proj.weight, num_parts, gemv), layer.mlp.tp)
     out, _ = rms_norm(h, model.model.norm.weight, eps, residual)
@@ -120,10 +131,10 @@ def _attention(attn: nn.Module, x: torch.Tensor, positions: torch.Tensor, inv_fr
     if hasattr(attn, "q_norm"):
         q, k = attn.q_norm(q), attn.k_norm(k)
     if hasattr(backend, "forward_rope"):  # the Triton backend: RoPE inside the KV write (decode: the attention)
-        out = backend.forward_rope(attn.layer, q, k, v, positions, inv_freq, cache, meta)  # [T, H, D]
+        out = backend.forward_rope(attn.layer, q, k, v, positions, inv_freq, cache, meta, attn.spec)  # [T, H, D]
     else:
         rope_(q, k, positions, inv_freq)
-        out = backend.forward(attn.layer, q, k, v, cache, meta)  # [T, H, D]
+        out = backend.forward(attn.layer, q, k, v, cache, meta, attn.spec)  # [T, H, D]
     out = _row_projection(out.reshape(num_tokens, num_heads * head_dim), attn.o_proj.weight, num_parts, gemv)
     return _reduce(out, attn.tp)
 

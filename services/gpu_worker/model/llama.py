@@ -138,12 +138,8 @@ class LlamaForCausalLM(nn.Module):
         self.gemv_max_tokens = 0
 
     def enable_fused_kernels(self) -> None:
-        """CUDA only: fused projections and the Triton RMSNorm/RoPE/SiLU·mul kernels (model/fused.py).
-
-        NOTE: a mixture-of-experts model keeps the torch forward (moe.py's grouped experts; the attention still runs
-        on the Triton backend): fused.py knows only the dense MLP."""
-        if self.config.num_experts:
-            return
+        """CUDA only: fused projections and the Triton RMSNorm/RoPE/SiLU·mul kernels (model/fused.py); a
+        mixture-of-experts layer keeps its routed-experts module (moe.py: the fused Triton MoE kernel on CUDA)."""
         from services.gpu_worker.model import fused  # imports triton
 
         fused.fuse_projections(self)
