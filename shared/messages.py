@@ -21,7 +21,9 @@ from shared.sampling import SamplingParams
 #    no pong declares no request lost).
 # 6: tool calling (gateway → tokenizer): GenerateRequest.tools and .is_tool_call_required; ChatMessage.tool_calls
 #    and .tool_call_id (an older tokenizer ignores them: it renders the messages' contents and no tools).
-PROTOCOL_VERSION = 6
+# 7: structured output: SamplingParams.output_constraint (shared/output_constraint.py), set by the gateway from
+#    response_format, guided_* and tool_choice required/named; an older worker ignores it (the output is free).
+PROTOCOL_VERSION = 7
 
 T = TypeVar("T")
 

@@ -14,6 +14,8 @@ from typing import Annotated, Any
 
 import msgspec
 
+from shared.output_constraint import OutputConstraint
+
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_N = 16
@@ -70,6 +72,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
     # Set by the gateway when the body named no max_tokens (chat's default ceiling): a worker then clips max_tokens to
     # the context the prompt leaves, as OpenAI does, instead of refusing with context_length_exceeded. Not a body field.
     is_max_tokens_default: bool = False
+    # Structured output (protocol 7): what the output must match; the gateway builds and checks it (output_constraint.py)
+    output_constraint: OutputConstraint | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -96,6 +100,8 @@ def check_value(name: str, value: Any, param: str | None = None) -> Any:
     kind, bound = typing.get_args(hint) if typing.get_origin(hint) is Annotated else (hint, None)
     if value is None and _is_optional(kind):
         return None
+    if name == "output_constraint":  # not a body field: the gateway builds it, the worker compiles it
+        return value
     if kind == tuple[int, ...]:
         return tuple(check_token_ids(value, param, allow_empty=True))
     if kind == tuple[tuple[int, float], ...]:

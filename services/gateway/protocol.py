@@ -11,6 +11,8 @@ from services.gateway.errors import ApiError, array_too_long, error_body
 from services.gateway.errors import api_type_error as _type_error
 from services.gateway.errors import sampling_api_error as _api_error
 from services.gateway.errors import unsupported_parameter as _unsupported
+from services.gateway.output_format import EXTENSION_PARAMS, checked, parse_output_constraint
+from services.gateway.tool_grammar import tool_call_constraint
 from services.gateway.tool_request import ToolPolicy, parse_message_tool_calls, parse_tool_request, tool_call_id
 from shared.messages import ChatMessage, DetokenizeRequest, GenerateRequest, TokenizeRequest
 from shared.sampling import (Bound, SamplingError, SamplingParams, check_bound, check_token_ids, check_value, is_int,
@@ -27,9 +29,11 @@ _IGNORED = {"user", "metadata", "store", "service_tier", "safety_identifier", "p
             "parallel_tool_calls", "moderation"}
 # Every SamplingParams field is a body parameter of both endpoints (OpenAI's, and vLLM-style extensions such as
 # top_k); those below the gateway reads itself (max_tokens, logprobs) or maps (top_k -1 → 0).
-_SAMPLING = frozenset(SamplingParams.__struct_fields__) - {"is_max_tokens_default"}  # set below, not by clients
+_SAMPLING = frozenset(SamplingParams.__struct_fields__) - {"is_max_tokens_default",  # set below, not by clients
+                                                           "output_constraint"}  # from response_format, guided_*
 _SAMPLING_SPECIAL = frozenset({"max_tokens", "logprobs"})
-_COMMON = _SAMPLING | {"model", "stream", "stream_options", "stop", "logit_bias", "skip_special_tokens"}
+_COMMON = _SAMPLING | {"model", "stream", "stream_options", "stop", "logit_bias", "skip_special_tokens",
+                      *EXTENSION_PARAMS}
 CHAT_PARAMS = frozenset(_COMMON | _IGNORED | {
     "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
     "functions", "function_call", "audio", "prediction", "web_search_options", "modalities"})
@@ -90,13 +94,13 @@ def parse_json_body(raw: bytes) -> Any:
 
 
 def parse_chat_request(body: Any, *, request_id: str, model_ids: Collection[str], default_max_tokens: int,
-                       deadline_s: float | None = None) -> ParsedRequest:
+                       deadline_s: float | None = None, tool_call_parser: str = "auto") -> ParsedRequest:
     """Validate a POST /v1/chat/completions body; raises ApiError on the first problem found."""
     body = _check_envelope(body, CHAT_PARAMS, model_ids, required="messages")
     messages = parse_messages(body["messages"])
     max_tokens = _field(body, "max_completion_tokens", "max_tokens",
                         _field(body, "max_tokens", "max_tokens", default_max_tokens))
-    _check_response_format(body.get("response_format"))
+    constraint = parse_output_constraint(body, is_chat=True)
     is_logprobs = _bool(body, "logprobs", False)
     top_logprobs = _field(body, "top_logprobs", "logprobs", None)
     if top_logprobs is not None and not is_logprobs:
@@ -106,6 +110,12 @@ def parse_chat_request(body: Any, *, request_id: str, model_ids: Collection[str]
     if body.get("max_completion_tokens") is None and body.get("max_tokens") is None:
         sampling = msgspec.structs.replace(sampling, is_max_tokens_default=True)
     tool_request = parse_tool_request(body.get("tools"), body.get("tool_choice"))
+    if tool_request.is_call_required:  # the grammar makes the model call (a named choice: tools is that one)
+        if constraint is not None:
+            raise ApiError(400, "A structured-output constraint cannot be combined with tool_choice 'required' or a "
+                                "named function.", param="tool_choice", code="invalid_value")
+        constraint = checked(tool_call_constraint(tool_request.tools, tool_call_parser), "tools")
+    sampling = msgspec.structs.replace(sampling, output_constraint=constraint)
     generate = GenerateRequest(request_id, sampling, messages=messages, stop=parse_stop(body.get("stop")),
                                skip_special_tokens=_bool(body, "skip_special_tokens", True), deadline_s=deadline_s,
                                tools=tool_request.tools, is_tool_call_required=tool_request.is_call_required)
@@ -120,6 +130,7 @@ def parse_completion_request(body: Any, *, request_id: str, model_ids: Collectio
     max_tokens = _field(body, "max_tokens", "max_tokens", SamplingParams().max_tokens)
     logprobs = _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS, None)
     sampling = _sampling(body, max_tokens, logprobs)
+    sampling = msgspec.structs.replace(sampling, output_constraint=parse_output_constraint(body, is_chat=False))
     best_of = _field(body, "best_of", "n", None)
     if best_of is not None and best_of != sampling.n:
         raise _unsupported("best_of")
@@ -260,18 +271,6 @@ def _sampling(body: dict, max_tokens: int, logprobs: int | None) -> SamplingPara
     except SamplingError as exc:
         raise _api_error(exc) from None
     return msgspec.structs.replace(params, top_k=0) if params.top_k < 0 else params  # -1: OpenAI-style "off"
-
-
-def _check_response_format(value: Any) -> None:
-    if value is None:
-        return
-    if not isinstance(value, dict):
-        raise _type_error("response_format", "an object", value)
-    kind = value.get("type")
-    if kind != "text":
-        raise ApiError(400, f"Unsupported value: 'response_format.type' does not support {kind!r} on this "
-                            "server; only 'text' is supported.", param="response_format.type",
-                       code="unsupported_value")
 
 
 def _parse_message(message: Any, param: str) -> ChatMessage:

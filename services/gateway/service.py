@@ -263,7 +263,8 @@ class Gateway(Actor):
         deadline_s = time.time() + timeout_s if timeout_s else None
         if is_chat:
             return parse_chat_request(body, request_id=f"chatcmpl-{uuid.uuid4().hex}", model_ids=model_ids,
-                                      default_max_tokens=self.config.default_chat_max_tokens, deadline_s=deadline_s)
+                                      default_max_tokens=self.config.default_chat_max_tokens, deadline_s=deadline_s,
+                                      tool_call_parser=self.config.tool_call_parser)
         return parse_completion_request(body, request_id=f"cmpl-{uuid.uuid4().hex}", model_ids=model_ids,
                                         deadline_s=deadline_s)
 

@@ -24,6 +24,7 @@ from services.gpu_worker.request import FinishReason, SamplingParams, TokenLogpr
 from services.gpu_worker.sampler import SampledBatch, Sampler, SamplingRow, make_generator, needs_history
 from services.gpu_worker.sequence import Sequence, SeqStatus
 from services.gpu_worker.staging import to_device
+from services.gpu_worker.structured_output import StructuredOutput
 from shared.sampling import context_length_error
 
 if TYPE_CHECKING:
@@ -86,6 +87,7 @@ class LaunchedStep:
     forks: list[tuple[Sequence, list[Sequence]]]
     uncached: list[Sequence]  # filled a page ending with the previous step's (then pending) token
     needs_history: bool  # a row has penalties: its token must reach the host before the next sampling
+    early_outputs: list[TokenOutput] | None = None  # read by the next step's launch (see _constrain)
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,8 @@ class Engine:
         self.policy.max_admit_delay_steps = config.max_admit_delay_steps
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids)
+        self.structured = StructuredOutput(loaded.tokenizer, loaded.config.vocab_size, sorted(self.eos_token_ids),
+                                           self.device)
         self._requests: dict[str, list[Sequence]] = {}
         self._held: dict[str, Sequence] = {}  # PD prefill side: prompt pages kept under a lease
         self._importing: dict[str, Sequence] = {}  # PD decode side: pages being filled by a pull
@@ -260,6 +264,8 @@ class Engine:
             raise ValueError("an imported request must have n == 1")
         seq = self._new_sequence(request_id, 0, [*prompt_token_ids, first_token], params)
         seq.num_prompt_tokens = len(prompt_token_ids)
+        if seq.matcher is not None:  # the prefill worker's mask chose first_token
+            self.structured.accept(seq.matcher, first_token)
         self._requests[request_id] = [seq]
         num_reused = self.policy.reserve_import(seq, time.monotonic())
         seq.num_cached_tokens = num_cached_tokens
@@ -314,6 +320,8 @@ class Engine:
                        num_prompt_tokens=len(token_ids), params=params, arrival=time.monotonic(),
                        generator=make_generator(params.seed, index, self.device),
                        logprobs=[] if params.logprobs is not None else None)
+        if params.output_constraint is not None:  # ValueError (a 400) when it does not compile
+            seq.matcher = self.structured.new_matcher(params.output_constraint)
         self._next_seq_id += 1
         return seq
 
@@ -420,7 +428,6 @@ class Engine:
             return LaunchedStep(None, [], [], [], uncached, False)
         if forks:  # NOTE: without siblings the logit rows are the sampled rows already, in order
             logits, greedy = logits[to_device(rows, torch.long, logits.device)], None
-        sample = self.sampler.launch(logits, [_sampling_row(s) for s in seqs], greedy)
         positions = []
         for row, seq in enumerate(seqs):
             positions.append(len(seq.token_ids))
@@ -429,11 +436,16 @@ class Engine:
             seq.pending_row = row
             seq.stops_when_resolved = (seq.is_prefill_only or seq.num_output_tokens >= seq.params.max_tokens
                                        or seq.num_tokens >= self.max_seq_len)
+        if any(seq.matcher is not None for seq in seqs):
+            logits, greedy = self._constrain(logits, seqs, now), None
+        sample = self.sampler.launch(logits, [_sampling_row(s) for s in seqs], greedy)
         return LaunchedStep(sample, seqs, positions, forks, uncached,
                             any(needs_history(s.params) for s in seqs))
 
     def _resolve(self, launched: LaunchedStep, now: float) -> list[TokenOutput]:
         """Read a launched step's tokens: stop checks, n > 1 starts, finishes, PD holds, outputs."""
+        if launched.early_outputs is not None:  # read already, by the next step's launch (see _constrain)
+            return launched.early_outputs
         if launched.sample is None:
             return []
         token_ids, logprobs = launched.sample.resolve()
@@ -446,6 +458,8 @@ class Engine:
             if seq.logprobs is not None and logprob is not None:
                 seq.logprobs.append(logprob)
             seq.finish_reason = self._stop_reason(seq, token_id, position + 1)
+            if seq.matcher is not None and self.structured.accept(seq.matcher, token_id):
+                seq.finish_reason = FinishReason.STOP  # structured output: the grammar is complete
             live.append((seq, token_id, logprob))
         for parent, children in launched.forks:
             if parent.finish_reason is not FinishReason.ABORT:
@@ -501,6 +515,16 @@ class Engine:
         if not logit_rows:
             return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32), None
         return self.model.logits(hidden[to_device(logit_rows, torch.long, dev)]), None
+
+    def _constrain(self, logits: torch.Tensor, seqs: list[Sequence], now: float) -> torch.Tensor:
+        """Structured output: mask the constrained rows' logits [B, V] in place. A row's mask needs its sequence's
+        previous token, so in overlap mode the launched step is read first (its outputs are kept for step() to return),
+        after this step's forward is queued: the bitmask is filled on the CPU while the device runs it."""
+        previous = self._launched
+        if previous is not None and previous.early_outputs is None:
+            previous.early_outputs = self._resolve(previous, now)
+        bitmask, rows = self.structured.fill_bitmask([s.matcher if s.finish_reason is None else None for s in seqs])
+        return self.structured.apply(logits, bitmask, rows) if rows else logits
 
     def _hold(self, seq: Sequence, now: float) -> None:
         self.policy.hold(seq, now)

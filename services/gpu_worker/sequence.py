@@ -52,6 +52,7 @@ class Sequence:
     num_pending: int = 0
     pending_row: int = -1
     stops_when_resolved: bool = False  # its pending token ends it whatever its value (length, PD hold)
+    matcher: object | None = None  # structured output: its llguidance matcher, advanced by each resolved token
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,64 @@
+"""tool_choice `required` or a named function, enforced: a Lark grammar of the tool-call parser's format whose
+calls name an offered function and whose arguments follow that function's parameters schema (pure: no I/O).
+
+    hermes:       <tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>   (then "\\n" and more calls)
+    llama3_json:  {"name": "f", "parameters": {...}}                                (then "; " and more calls)
+    auto:         either of the two
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from shared.messages import ToolFunction
+from shared.output_constraint import JSON_OPTIONS, ConstraintKind, OutputConstraint
+
+_REF_PREFIXES = ("#/$defs/", "#/definitions/")
+
+
+def tool_call_constraint(tools: list[ToolFunction], parser: str) -> OutputConstraint:
+    """The grammar of one or more calls to these tools, in the parser's format (`auto`: hermes or llama3_json)."""
+    rules = []
+    if parser in ("hermes", "auto"):
+        rules.append('hermes: hermes_call ("\\n" hermes_call)*\n'
+                     'hermes_call: "<tool_call>\\n" hermes_body "\\n</tool_call>"\n'
+                     f"hermes_body: %json {json.dumps(calls_schema(tools, 'arguments'))}\n")
+    if parser in ("llama3_json", "auto"):
+        rules.append('llama: llama_body ("; " llama_body)*\n'
+                     f"llama_body: %json {json.dumps(calls_schema(tools, 'parameters'))}\n")
+    start = {"hermes": "hermes", "llama3_json": "llama"}.get(parser, "hermes | llama")
+    return OutputConstraint(ConstraintKind.LARK, f"start: {start}\n" + "".join(rules))
+
+
+def calls_schema(tools: list[ToolFunction], arguments_key: str) -> dict[str, Any]:
+    """A JSON schema of one call: {"name": one tool's name, arguments_key: that tool's parameters}. Each tool's own
+    $defs move to the top, renamed per tool, with its $refs rewritten to match."""
+    variants, defs = [], {}
+    for i, tool in enumerate(tools):
+        parameters = json.loads(tool.parameters) if tool.parameters else {"type": "object"}
+        own_defs = {**parameters.pop("definitions", {}), **parameters.pop("$defs", {})}
+        prefix = f"tool{i}_"
+        defs.update({prefix + name: _renamed_refs(d, prefix) for name, d in own_defs.items()})
+        variants.append({"type": "object", "properties": {"name": {"const": tool.name},
+                                                          arguments_key: _renamed_refs(parameters, prefix)},
+                         "required": ["name", arguments_key], "additionalProperties": False})
+    schema: dict[str, Any] = {"anyOf": variants} if len(variants) > 1 else variants[0]
+    if defs:
+        schema["$defs"] = defs
+    schema["x-guidance"] = JSON_OPTIONS
+    return schema
+
+
+def _renamed_refs(value: Any, prefix: str) -> Any:
+    """value with every local $ref into $defs or definitions pointed at the renamed top-level $defs."""
+    if isinstance(value, list):
+        return [_renamed_refs(v, prefix) for v in value]
+    if not isinstance(value, dict):
+        return value
+    renamed = {k: _renamed_refs(v, prefix) for k, v in value.items()}
+    ref = renamed.get("$ref")
+    if isinstance(ref, str):
+        for old in _REF_PREFIXES:
+            if ref.startswith(old):
+                renamed["$ref"] = "#/$defs/" + prefix + ref[len(old):]
+    return renamed
