@@ -12,6 +12,8 @@ the top-k combine, with no host sync (so it runs under CUDA graph capture).
                       blocks past the last expert's return at once.
     combine           [T·k, H] viewed as [T, k, H], summed over k (no atomics).
 
+Up to moe_routing.SMALL_PAIRS pairs (decode steps) the alignment is one kernel (moe_routing.align_small).
+
 Weights in moe.py's layout: gate_up [E, 2I, H] (gate rows first), down [E, H, I].
 """
 from __future__ import annotations
@@ -133,8 +135,13 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_id
     num_pairs = num_tokens * k
     if num_pairs == 0:
         return torch.zeros_like(x)
+    from services.gpu_worker.kernels.moe_routing import SMALL_PAIRS, align_small  # it imports this module
+
     tile = tile or default_tile(num_pairs)
-    blocks = align_by_expert(top_ids, gate_up.shape[0], tile.block_m)
+    if num_pairs <= SMALL_PAIRS:  # decode batches: one launch (kernels/moe_routing.py)
+        blocks = align_small(top_ids, gate_up.shape[0], tile.block_m)
+    else:
+        blocks = align_by_expert(top_ids, gate_up.shape[0], tile.block_m)
     act = moe_gemm(x, gate_up, blocks, num_pairs, k, silu_mul=True, tile=tile)  # [T·k, I]
     weights = top_weights.flatten().float().contiguous()  # [T·k]
     out_pairs = moe_gemm(act, down, blocks, num_pairs, 1, silu_mul=False, route_weights=weights, tile=tile)

@@ -2,7 +2,7 @@
 
 On CUDA the experts run on kernels/fused_moe.py: the (token, expert) pairs sorted by expert on the device, a
 grouped Triton GEMM over the experts that were hit and the top-k combine, with no host sync, so the same path runs
-eagerly and under CUDA graph capture. The torch path, the CPU's and the kernel's reference in the tests, groups the
+eagerly and under CUDA graph capture; the router's softmax and top-k there are one kernel (kernels/moe_routing.py). The torch path, the CPU's and the kernel's reference in the tests, groups the
 tokens by expert: the T·k (token, expert) pairs are sorted by expert, each expert that was hit runs one GEMM pair
 over its contiguous rows, and the weighted rows are summed back per token (index_add_). The loop is over experts,
 never over tokens; the group sizes are read on the host (one sync per layer).
@@ -75,6 +75,11 @@ class SparseMoe(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden] → top_ids [T, k] int64, top_weights [T, k] fp32."""
+        use_fused = x.is_cuda if self.experts.use_fused is None else self.experts.use_fused
+        if use_fused and self.top_k & (self.top_k - 1) == 0:  # one Triton launch (kernels/moe_routing.py)
+            from services.gpu_worker.kernels.moe_routing import route_topk  # imports triton
+
+            return route_topk(self.gate(x), self.top_k, self.normalize)
         probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, E] fp32
         top_weights, top_ids = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:
