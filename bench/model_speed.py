@@ -5,11 +5,15 @@ but the embedding table (one row read; a tied table is read whole as the LM head
 experts counted for the ones the batch routes to (top_k of E at one token), and the KV cache of the context.
 The kernel shares come from torch.profiler over decode steps (CUDA graph replays), grouped by kernel family.
 
-    python -m bench.model_speed --presets qwen3-30b-a3b,gemma2-9b --out $OUT
+    python -m bench.model_speed --presets qwen3-30b-a3b,qwen3-30b-a3b:torch_routing,gemma2-9b --out $OUT
+
+A preset suffixed `:torch_routing` runs the MoE router and expert sort as torch ops (softmax, topk, division; the
+dozen ops of fused_moe.align_by_expert) instead of kernels/moe_routing.py's two launches: the A/B of that lever.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -107,6 +111,23 @@ def _finish(engine, outs) -> None:
             engine.release_finished(out.request_id)
 
 
+@contextlib.contextmanager
+def variant(name: str):
+    """torch_routing: moe_routing's kernels swapped for the torch ops they replace, for the engine built inside."""
+    if not name:
+        yield
+        return
+    assert name == "torch_routing", name
+    from services.gpu_worker.kernels import moe_routing
+
+    saved = moe_routing.route_topk, moe_routing.SMALL_PAIRS
+    moe_routing.route_topk, moe_routing.SMALL_PAIRS = moe_routing.route_topk_ref, 0
+    try:
+        yield
+    finally:
+        moe_routing.route_topk, moe_routing.SMALL_PAIRS = saved
+
+
 def measure(preset: str, copy_tbs: float, jit: JitCompiles, max_num_seqs: int) -> dict:
     from services.gpu_worker.engine import Engine
     from services.gpu_worker.engine_config import EngineConfig
@@ -151,7 +172,7 @@ def measure(preset: str, copy_tbs: float, jit: JitCompiles, max_num_seqs: int) -
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--presets", default="qwen3-30b-a3b,gemma2-9b")
+    p.add_argument("--presets", default="qwen3-30b-a3b,qwen3-30b-a3b:torch_routing,gemma2-9b")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--out", default="bench/results")
     args = p.parse_args()
@@ -162,15 +183,17 @@ def main() -> int:
     record = {"command": "python -m bench.model_speed " + " ".join(sys.argv[1:]),
               "hardware": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
               "copy_tb_s": round(copy_tbs, 3), "models": {}}
-    for preset in args.presets.split(","):
+    for spec in args.presets.split(","):
+        preset, _, variant_name = spec.partition(":")
         try:
-            record["models"][preset] = measure(preset, copy_tbs, jit, args.max_num_seqs)
+            with variant(variant_name):
+                record["models"][spec] = measure(preset, copy_tbs, jit, args.max_num_seqs)
         except Exception as exc:  # one model's failure must not lose the others' figures
-            record["models"][preset] = {"error": f"{type(exc).__name__}: {exc}"}
+            record["models"][spec] = {"error": f"{type(exc).__name__}: {exc}"}
             gc.collect()
             torch.cuda.empty_cache()
         (out / "model_speed.json").write_text(json.dumps(record, indent=2, default=str))
-        print(json.dumps(record["models"][preset], default=str)[:3000], flush=True)
+        print(spec, json.dumps(record["models"][spec], default=str)[:3000], flush=True)
     return 0
 
 
