@@ -62,3 +62,23 @@ def test_rms_norm_partials_need_a_residual():
 @pytest.mark.parametrize("num_tokens", [1, 8])
 def test_rms_norm_partials_llama8b_shapes(num_tokens):
     _check_partials(4, num_tokens, 4096, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32])
+@pytest.mark.parametrize("num_tokens,num_heads,num_kv_heads,head_dim", [(1, 32, 4, 128), (5, 4, 2, 16), (3, 6, 6, 64)])
+def test_rms_norm_heads_equals_the_models_norms_in_place(dtype, num_tokens, num_heads, num_kv_heads, head_dim):
+    from services.gpu_worker.kernels.rms_norm import rms_norm_heads_
+    from services.gpu_worker.model.llama import RMSNorm
+
+    gen = torch.Generator().manual_seed(num_heads)
+    qkv = randn((num_tokens, num_heads + 2 * num_kv_heads, head_dim), gen, dtype, DEVICE, scale=2.0)
+    q_norm, k_norm = RMSNorm(head_dim, 1e-6).to(DEVICE, dtype), RMSNorm(head_dim, 1e-6).to(DEVICE, dtype)
+    q_norm.weight.data = randn((head_dim,), gen, dtype, DEVICE)
+    k_norm.weight.data = randn((head_dim,), gen, dtype, DEVICE)
+    want_q, want_k = q_norm(qkv[:, :num_heads]), k_norm(qkv[:, num_heads: num_heads + num_kv_heads])
+    v = qkv[:, num_heads + num_kv_heads:].clone()
+    rms_norm_heads_(qkv[:, :num_heads + num_kv_heads], q_norm.weight, k_norm.weight, num_heads, 1e-6)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # fp32: the order of the sum; bf16: an ulp
+    assert rel_err(qkv[:, :num_heads], want_q) < tol
+    assert rel_err(qkv[:, num_heads: num_heads + num_kv_heads], want_k) < tol
+    assert torch.equal(qkv[:, num_heads + num_kv_heads:], v)  # v untouched

@@ -73,3 +73,33 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype), x
+
+
+@triton.jit
+def _rms_norm_heads_kernel(x_ptr, q_w_ptr, k_w_ptr, stride_t, stride_h, num_q_heads, head_dim, eps,
+                           BLOCK: tl.constexpr):
+    t, head = tl.program_id(0), tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < head_dim
+    ptrs = x_ptr + t.to(tl.int64) * stride_t + head * stride_h + offs
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    w_ptr = q_w_ptr if head < num_q_heads else k_w_ptr
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x32 = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / head_dim + eps)
+    y = (x32 * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * w
+    tl.store(ptrs, y.to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_heads_(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_q_heads: int,
+                    eps: float) -> torch.Tensor:
+    """Qwen3-style q/k norms in place, one launch: qk [T, H + KVH, D] (a view of the fused q/k/v projection's
+    output), the first num_q_heads heads normed with q_weight [D], the rest with k_weight [D]; each head as the
+    model's torch RMSNorm (llama.RMSNorm) computes it."""
+    num_tokens, num_heads, head_dim = qk.shape
+    assert qk.stride(2) == 1
+    if num_tokens:
+        _rms_norm_heads_kernel[(num_tokens, num_heads)](
+            qk, q_weight, k_weight, qk.stride(0), qk.stride(1), num_q_heads, head_dim, eps,
+            BLOCK=triton.next_power_of_2(head_dim), num_warps=1 if head_dim <= 128 else 2)
+    return qk

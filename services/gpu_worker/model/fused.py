@@ -26,7 +26,7 @@ from torch import nn
 from services.gpu_worker.attention.base import AttentionBackend, AttentionMetadata
 from services.gpu_worker.kernels import gemv as triton_gemv
 from services.gpu_worker.kernels.embedding import embedding_fed
-from services.gpu_worker.kernels.rms_norm import rms_norm
+from services.gpu_worker.kernels.rms_norm import rms_norm, rms_norm_heads_
 from services.gpu_worker.kernels.rope import rope_
 from services.gpu_worker.kernels.silu_mul import silu_mul
 from services.gpu_worker.kv_cache import KVCache
@@ -128,8 +128,9 @@ def _attention(attn: nn.Module, x: torch.Tensor, positions: torch.Tensor, inv_fr
     q = qkv[:, :num_heads]  # [T, H, D] views
     k = qkv[:, num_heads: num_heads + num_kv_heads]  # [T, KVH, D]
     v = qkv[:, num_heads + num_kv_heads:]  # [T, KVH, D]
-    if hasattr(attn, "q_norm"):
-        q, k = attn.q_norm(q), attn.k_norm(k)
+    if hasattr(attn, "q_norm"):  # Qwen3: q and k normed in place, one launch
+        rms_norm_heads_(qkv[:, :num_heads + num_kv_heads], attn.q_norm.weight, attn.k_norm.weight, num_heads,
+                        attn.q_norm.eps)
     if hasattr(backend, "forward_rope"):  # the Triton backend: RoPE inside the KV write (decode: the attention)
         out = backend.forward_rope(attn.layer, q, k, v, positions, inv_freq, cache, meta, attn.spec)  # [T, H, D]
     else:
