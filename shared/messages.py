@@ -23,7 +23,10 @@ from shared.sampling import SamplingParams
 #    and .tool_call_id (an older tokenizer ignores them: it renders the messages' contents and no tools).
 # 7: structured output: SamplingParams.output_constraint (shared/output_constraint.py), set by the gateway from
 #    response_format, guided_* and tool_choice required/named; an older worker ignores it (the output is free).
-PROTOCOL_VERSION = 7
+# 8: prompt logprobs: SamplingParams.prompt_logprobs and max_tokens 0; TokenOutputs.prompt_logprobs (worker →
+#    tokenizer), GenerateChunk.prompt_logprobs and .prompt_token_ids (tokenizer → gateway); TokenLogprobEntry.rank.
+#    An older worker refuses max_tokens 0 (400) and ignores prompt_logprobs; the gateway then gets none.
+PROTOCOL_VERSION = 8
 
 T = TypeVar("T")
 
@@ -142,6 +145,7 @@ class TokenLogprobEntry(msgspec.Struct, frozen=True):
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = []
+    rank: int | None = None  # protocol 8: 1 + the tokens more likely than token_id (prompt logprobs carry it)
 
 
 class TokenPiece(msgspec.Struct, frozen=True):
@@ -201,6 +205,8 @@ class TokenOutputs(msgspec.Struct, frozen=True):
     finish_reason: str | None  # "stop" | "length" | "abort" | "error"
     num_prompt_tokens: int
     num_cached_tokens: int
+    # protocol 8, sampling.prompt_logprobs: one per prompt token (None first), on the first output of each sample
+    prompt_logprobs: list[TokenLogprobEntry | None] | None = None
 
 
 class TokenBatch(msgspec.Struct, frozen=True, tag=True):
@@ -224,6 +230,10 @@ class GenerateChunk(msgspec.Struct, frozen=True, tag=True):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     token_pieces: list[TokenPiece] | None = None  # each id of token_ids and of logprobs' top, once (for logprobs)
+    # protocol 8: the prompt's logprobs (None first) and its ids, on a sample's first chunk; their ids and tops are
+    # in token_pieces
+    prompt_logprobs: list[TokenLogprobEntry | None] | None = None
+    prompt_token_ids: list[int] | None = None
     version: int = PROTOCOL_VERSION
 
 

@@ -54,7 +54,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
     NOTE: field names and defaults are the wire format (protocol 1): rename or re-default none of them.
     """
 
-    max_tokens: Annotated[int, Bound(1, INT32_MAX)] = 16
+    max_tokens: Annotated[int, Bound(0, INT32_MAX)] = 16  # 0: no generation (prompt logprobs, echo); see the gateway
     temperature: Annotated[float, Bound(0.0, 2.0)] = 1.0
     top_p: Annotated[float, Bound(0.0, 1.0, is_lo_open=True)] = 1.0
     top_k: Annotated[int, Bound(-1, INT32_MAX)] = 0
@@ -72,7 +72,10 @@ class SamplingParams(msgspec.Struct, frozen=True):
     # Set by the gateway when the body named no max_tokens (chat's default ceiling): a worker then clips max_tokens to
     # the context the prompt leaves, as OpenAI does, instead of refusing with context_length_exceeded. Not a body field.
     is_max_tokens_default: bool = False
-    # Structured output (protocol 7): what the output must match; the gateway builds and checks it (output_constraint.py)
+    # vLLM's prompt_logprobs: None: none; k: each prompt token's logprob given the tokens before it, and the top k
+    # (the first prompt token has none). The engine computes them during prefill; see docs/ARCHITECTURE.md.
+    prompt_logprobs: Annotated[int | None, Bound(0, MAX_LOGPROBS)] = None
+    # Structured output (protocol 7): the output's grammar, built and checked by the gateway (output_constraint.py)
     output_constraint: OutputConstraint | None = None
 
     @property
@@ -165,6 +168,14 @@ def check_logit_bias(value: Any, param: str) -> tuple[tuple[int, float], ...]:
         check_bound(name, bias, Bound(-LOGIT_BIAS_BOUND, LOGIT_BIAS_BOUND), "decimal")
         pairs[token_id] = float(bias)
     return tuple(sorted(pairs.items()))
+
+
+def check_logit_bias_ids(logit_bias: tuple[tuple[int, float], ...], vocab_size: int) -> None:
+    """SamplingError for the first logit_bias token id outside the vocabulary [0, vocab_size) (OpenAI's 400)."""
+    bad = next((token_id for token_id, _ in logit_bias if token_id >= vocab_size), None)
+    if bad is not None:
+        raise SamplingError("logit_bias", f"Invalid key in 'logit_bias': {bad}. Maximum value is {vocab_size - 1}.",
+                            "invalid_value")
 
 
 def _token_id_key(key: Any) -> int | None:

@@ -39,3 +39,17 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int,
         tops.append(list(zip(ids.tolist(), values.tolist())))
         out = model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
     return tokens, logprobs, tops
+
+
+@torch.inference_mode()
+def hf_prompt_logprobs(model: torch.nn.Module, prompt: list[int],
+                       num_top: int = 0) -> list[tuple[float, int, list[tuple[int, float]]] | None]:
+    """Teacher-forced prompt logprobs: per prompt token its (logprob, rank, top num_top) given the tokens before it,
+    None for the first (one forward over the whole prompt, no cache)."""
+    logp = torch.log_softmax(model(input_ids=torch.tensor([prompt])).logits[0].float(), dim=-1)  # [P, V]
+    entries: list[tuple[float, int, list[tuple[int, float]]] | None] = [None]
+    for position, token in enumerate(prompt[1:]):
+        row = logp[position]
+        values, ids = torch.topk(row, num_top)
+        entries.append((float(row[token]), int((row > row[token]).sum()) + 1, list(zip(ids.tolist(), values.tolist()))))
+    return entries

@@ -16,7 +16,7 @@ from services.gateway.tool_grammar import tool_call_constraint
 from services.gateway.tool_request import ToolPolicy, parse_message_tool_calls, parse_tool_request, tool_call_id
 from shared.messages import ChatMessage, DetokenizeRequest, GenerateRequest, TokenizeRequest
 from shared.sampling import (Bound, SamplingError, SamplingParams, check_bound, check_token_ids, check_value, is_int,
-                             sampling_params)
+                             range_error, sampling_params)
 
 MAX_STOP = 4
 MAX_COMPLETION_LOGPROBS = 5
@@ -26,7 +26,7 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Accepted for compatibility; they do not change the output.
 _IGNORED = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
             "prompt_cache_retention", "prompt_cache_options", "reasoning_effort", "verbosity",
-            "parallel_tool_calls", "moderation"}
+            "moderation"}
 # Every SamplingParams field is a body parameter of both endpoints (OpenAI's, and vLLM-style extensions such as
 # top_k); those below the gateway reads itself (max_tokens, logprobs) or maps (top_k -1 → 0).
 _SAMPLING = frozenset(SamplingParams.__struct_fields__) - {"is_max_tokens_default",  # set below, not by clients
@@ -36,7 +36,7 @@ _COMMON = _SAMPLING | {"model", "stream", "stream_options", "stop", "logit_bias"
                       *EXTENSION_PARAMS}
 CHAT_PARAMS = frozenset(_COMMON | _IGNORED | {
     "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
-    "functions", "function_call", "audio", "prediction", "web_search_options", "modalities"})
+    "parallel_tool_calls", "functions", "function_call", "audio", "prediction", "web_search_options", "modalities"})
 COMPLETION_PARAMS = frozenset(_COMMON | {"prompt", "best_of", "echo", "suffix", "user"})
 TOKENIZE_PARAMS = frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"})
 DETOKENIZE_PARAMS = frozenset({"model", "tokens"})
@@ -68,6 +68,7 @@ class ParsedRequest:
     include_usage: bool
     is_echo: bool = False  # completions: each choice's text starts with its prompt
     tool_policy: ToolPolicy | None = None  # chat with tools: how its output becomes tool_calls (None: it does not)
+    has_prompt_logprobs: bool = False  # the body asked for vLLM's prompt_logprobs field in each choice
 
     @property
     def generate(self) -> GenerateRequest:
@@ -100,6 +101,8 @@ def parse_chat_request(body: Any, *, request_id: str, model_ids: Collection[str]
     messages = parse_messages(body["messages"])
     max_tokens = _field(body, "max_completion_tokens", "max_tokens",
                         _field(body, "max_tokens", "max_tokens", default_max_tokens))
+    _check_generates(max_tokens, "max_completion_tokens" if body.get("max_completion_tokens") is not None
+                     else "max_tokens")
     constraint = parse_output_constraint(body, is_chat=True)
     is_logprobs = _bool(body, "logprobs", False)
     top_logprobs = _field(body, "top_logprobs", "logprobs", None)
@@ -114,7 +117,8 @@ def parse_chat_request(body: Any, *, request_id: str, model_ids: Collection[str]
         if constraint is not None:
             raise ApiError(400, "A structured-output constraint cannot be combined with tool_choice 'required' or a "
                                 "named function.", param="tool_choice", code="invalid_value")
-        constraint = checked(tool_call_constraint(tool_request.tools, tool_call_parser), "tools")
+        is_parallel = _bool(body, "parallel_tool_calls", True)
+        constraint = checked(tool_call_constraint(tool_request.tools, tool_call_parser, is_parallel), "tools")
     sampling = msgspec.structs.replace(sampling, output_constraint=constraint)
     generate = GenerateRequest(request_id, sampling, messages=messages, stop=parse_stop(body.get("stop")),
                                skip_special_tokens=_bool(body, "skip_special_tokens", True), deadline_s=deadline_s,
@@ -135,10 +139,10 @@ def parse_completion_request(body: Any, *, request_id: str, model_ids: Collectio
     if best_of is not None and best_of != sampling.n:
         raise _unsupported("best_of")
     is_echo = _bool(body, "echo", False)
-    if is_echo and logprobs is not None:
-        raise ApiError(400, "'echo' with 'logprobs' is not supported by this server: it needs the logprobs of the "
-                            "prompt's tokens, which the engine does not compute yet. Send 'echo' without "
-                            "'logprobs', or 'logprobs' without 'echo'.", param="echo", code="unsupported_value")
+    if not (is_echo or sampling.prompt_logprobs is not None):  # max_tokens 0 returns the prompt only
+        _check_generates(max_tokens, "max_tokens")
+    if is_echo and logprobs is not None:  # the echoed prompt's tokens come with their logprobs (top `logprobs`)
+        sampling = msgspec.structs.replace(sampling, prompt_logprobs=max(sampling.prompt_logprobs or 0, logprobs))
     stop, skip_special_tokens = parse_stop(body.get("stop")), _bool(body, "skip_special_tokens", True)
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{p}" for p in range(len(prompts))]
     generates = tuple(GenerateRequest(rid, sampling, prompt_text=text, prompt_token_ids=token_ids, stop=stop,
@@ -260,7 +264,13 @@ def _parsed(body: dict, request_id: str, generates: tuple[GenerateRequest, ...],
         raise _type_error("stream_options", "an object", options)
     include_usage = _bool(options or {}, "include_usage", False, prefix="stream_options.")
     return ParsedRequest(request_id, generates, body["model"], is_chat, is_stream, include_usage, is_echo,
-                         tool_policy)
+                         tool_policy, body.get("prompt_logprobs") is not None)
+
+
+def _check_generates(max_tokens: int, param: str) -> None:
+    """max_tokens 0 (no generation) only returns a prompt: a completions call with echo or prompt_logprobs."""
+    if max_tokens < 1:
+        raise _api_error(range_error(param, "integer", "below minimum", ">= 1", max_tokens))
 
 
 def _sampling(body: dict, max_tokens: int, logprobs: int | None) -> SamplingParams:

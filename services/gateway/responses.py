@@ -26,6 +26,8 @@ class SampleOutput:
     pieces: dict[int, TokenPiece] = field(default_factory=dict)  # every token its logprobs name, by id
     logprobs: list[TokenLogprobEntry] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_token_ids: list[int] | None = None  # with prompt logprobs (echo with logprobs, or prompt_logprobs)
+    prompt_logprobs: list[TokenLogprobEntry | None] | None = None  # one per prompt token, None first
 
 
 class RequestOutput:
@@ -55,6 +57,8 @@ class RequestOutput:
         sample.pieces.update(_pieces(chunk))
         sample.logprobs.extend(chunk.logprobs or [])
         sample.finish_reason = chunk.finish_reason
+        if chunk.prompt_logprobs is not None:
+            sample.prompt_token_ids, sample.prompt_logprobs = chunk.prompt_token_ids, chunk.prompt_logprobs
         prompt = chunk.index // self.n
         self._num_prompt_tokens[prompt] = max(self._num_prompt_tokens[prompt], chunk.num_prompt_tokens)
         self._num_cached_tokens[prompt] = max(self._num_cached_tokens[prompt], chunk.num_cached_tokens)
@@ -90,8 +94,10 @@ def usage_body(num_prompt_tokens: int, num_completion_tokens: int, num_cached_to
 
 
 def chat_response(request_id: str, model: str, created: int, output: RequestOutput, has_logprobs: bool,
-                  tool_policy: ToolPolicy | None = None, tool_call_parser: str = "auto") -> dict[str, Any]:
-    """The whole chat answer; with a tool policy each choice's text is parsed into content and tool_calls."""
+                  tool_policy: ToolPolicy | None = None, tool_call_parser: str = "auto",
+                  has_prompt_logprobs: bool = False) -> dict[str, Any]:
+    """The whole chat answer; with a tool policy each choice's text is parsed into content and tool_calls.
+    has_prompt_logprobs: vLLM's prompt_logprobs, in each choice and (as vLLM's chat puts it) beside the choices."""
     choices = []
     for i, s in enumerate(output.samples):
         message: dict[str, Any] = {"role": "assistant", "content": s.text, "refusal": None}
@@ -106,8 +112,13 @@ def chat_response(request_id: str, model: str, created: int, output: RequestOutp
         choices.append({"index": i, "message": message,
                         "logprobs": chat_logprobs(s.logprobs, s.pieces) if has_logprobs else None,
                         "finish_reason": finish_reason})
-    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+        if has_prompt_logprobs:
+            choices[-1]["prompt_logprobs"] = vllm_prompt_logprobs(s.prompt_token_ids, s.prompt_logprobs, s.pieces)
+    body = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": output.usage()}
+    if has_prompt_logprobs:
+        body["prompt_logprobs"] = choices[0]["prompt_logprobs"] if choices else None
+    return body
 
 
 class ToolCallStream:
@@ -162,24 +173,42 @@ def _tool_finish_reason(finish_reason: str | None) -> str | None:
 
 
 def _check_required(policy: ToolPolicy, num_calls: int, index: int, text: str) -> None:
-    """tool_choice "required" or named: an output without a valid call is an error (no guided decoding here)."""
+    """tool_choice "required" or named: an output without a valid call is an error (the call grammar was cut short)."""
     if not policy.is_required or num_calls:
         return
     names = ", ".join(sorted(policy.names))
     shown = f" It began: {text[:200]!r}." if text else ""
     raise ApiError(422, f"tool_choice asked for a call to {names}, but the model's output (choice {index}) holds no "
-                        "valid tool call. This server reads calls from the output and does not constrain decoding "
-                        f"to them; retry, or use tool_choice 'auto'.{shown}", type="server_error",
+                        "valid tool call: the grammar that enforces calls was cut short (max_tokens ran out, or the "
+                        "worker does not support structured output); raise max_tokens, or use tool_choice "
+                        f"'auto'.{shown}", type="server_error",
                    code="tool_call_not_generated")
 
 
-def completion_response(request_id: str, model: str, created: int, output: RequestOutput,
-                        has_logprobs: bool) -> dict[str, Any]:
-    choices = [{"index": i, "text": s.text,
-                "logprobs": completion_logprobs(s.logprobs, s.pieces, 0) if has_logprobs else None,
-                "finish_reason": s.finish_reason} for i, s in enumerate(output.samples)]
+def completion_response(request_id: str, model: str, created: int, output: RequestOutput, has_logprobs: bool,
+                        has_prompt_logprobs: bool = False) -> dict[str, Any]:
+    """The whole completions answer. With echo and logprobs, each choice's logprobs start with its prompt's tokens
+    (the first with null logprob and top_logprobs, as OpenAI's legacy API and vLLM answer)."""
+    choices = []
+    for i, s in enumerate(output.samples):
+        echo = output.echoes[i] if output.echoes else None
+        choice = {"index": i, "text": s.text, "logprobs": sample_logprobs(s, echo) if has_logprobs else None,
+                  "finish_reason": s.finish_reason}
+        if has_prompt_logprobs:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(s.prompt_token_ids, s.prompt_logprobs, s.pieces)
+        choices.append(choice)
     return {"id": request_id, "object": "text_completion", "created": created, "model": model,
             "choices": choices, "usage": output.usage()}
+
+
+def sample_logprobs(sample: SampleOutput, echo: str | None) -> dict[str, Any]:
+    """A choice's legacy logprobs: its generated tokens', after its prompt's when it echoes the prompt (echo: that
+    text; the generated tokens' text_offset starts at its end)."""
+    generated = completion_logprobs(sample.logprobs, sample.pieces, len(echo) if echo is not None else 0)
+    if echo is None:
+        return generated
+    prompt = prompt_completion_logprobs(sample.prompt_token_ids or [], sample.prompt_logprobs or [], sample.pieces)
+    return {key: prompt[key] + generated[key] for key in generated}
 
 
 def chat_role_chunk(request_id: str, model: str, created: int, index: int,
@@ -191,19 +220,40 @@ def chat_role_chunk(request_id: str, model: str, created: int, index: int,
 
 
 def chat_chunk(request_id: str, model: str, created: int, chunk: GenerateChunk, has_logprobs: bool,
-               include_usage: bool) -> dict[str, Any]:
+               include_usage: bool, has_prompt_logprobs: bool = False) -> dict[str, Any]:
     logprobs = chat_logprobs(chunk.logprobs or [], _pieces(chunk)) if has_logprobs else None
     choice = {"index": chunk.index, "delta": {"content": chunk.text} if chunk.text else {}, "logprobs": logprobs,
               "finish_reason": chunk.finish_reason}
+    _add_prompt_logprobs(choice, chunk, has_prompt_logprobs)
     return _chunk(request_id, "chat.completion.chunk", model, created, choice, include_usage)
 
 
+def _add_prompt_logprobs(choice: dict[str, Any], chunk: GenerateChunk, has_prompt_logprobs: bool) -> None:
+    """A streamed choice's chunk that carries the prompt's logprobs (its first) shows them as vLLM does."""
+    if has_prompt_logprobs and chunk.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = vllm_prompt_logprobs(chunk.prompt_token_ids, chunk.prompt_logprobs,
+                                                         _pieces(chunk))
+
+
 def completion_chunk(request_id: str, model: str, created: int, chunk: GenerateChunk, has_logprobs: bool,
-                     text_offset: int, include_usage: bool) -> dict[str, Any]:
+                     text_offset: int, include_usage: bool, has_prompt_logprobs: bool = False) -> dict[str, Any]:
     """A streamed text_completion; text_offset is the choice's text length before this chunk."""
     logprobs = (completion_logprobs(chunk.logprobs or [], _pieces(chunk), text_offset)
                 if has_logprobs else None)
     choice = {"index": chunk.index, "text": chunk.text, "logprobs": logprobs, "finish_reason": chunk.finish_reason}
+    _add_prompt_logprobs(choice, chunk, has_prompt_logprobs)
+    return _chunk(request_id, "text_completion", model, created, choice, include_usage)
+
+
+def echo_chunk(request_id: str, model: str, created: int, index: int, echo: str, first: GenerateChunk | None,
+               include_usage: bool) -> dict[str, Any]:
+    """A streamed choice's first event with echo: its prompt text, and with logprobs (first: the choice's first
+    chunk, which carries the prompt's logprobs) the prompt tokens' logprobs."""
+    logprobs = None
+    if first is not None:
+        logprobs = prompt_completion_logprobs(first.prompt_token_ids or [], first.prompt_logprobs or [],
+                                              _pieces(first))
+    choice = {"index": index, "text": echo, "logprobs": logprobs, "finish_reason": None}
     return _chunk(request_id, "text_completion", model, created, choice, include_usage)
 
 
@@ -227,16 +277,51 @@ def completion_logprobs(entries: list[TokenLogprobEntry], pieces: Mapping[int, T
 
     A token's text_offset counts the characters its earlier tokens complete, so the bytes of one character split
     over several tokens count once (a whole request's are exact; a stream's chunk starts at text_offset)."""
-    chosen = [_piece(entry.token_id, pieces) for entry in entries]
+    return _legacy_logprobs([entry.token_id for entry in entries], entries, pieces, text_offset)
+
+
+def prompt_completion_logprobs(token_ids: list[int], entries: list[TokenLogprobEntry | None],
+                               pieces: Mapping[int, TokenPiece]) -> dict[str, Any]:
+    """The legacy logprobs of an echoed prompt: every prompt token, the first with null logprob and top_logprobs."""
+    return _legacy_logprobs(token_ids, entries, pieces, 0)
+
+
+def _legacy_logprobs(token_ids: list[int], entries: list[TokenLogprobEntry | None],
+                     pieces: Mapping[int, TokenPiece], text_offset: int) -> dict[str, Any]:
+    chosen = [_piece(token_id, pieces) for token_id in token_ids]
     utf8 = codecs.getincrementaldecoder("utf-8")("replace")
     offsets = []
     for piece in chosen:
         offsets.append(text_offset)
         text_offset += len(utf8.decode(piece.raw))
-    return {"tokens": [piece.text for piece in chosen], "token_logprobs": [entry.logprob for entry in entries],
-            "top_logprobs": [{_piece(token_id, pieces).text: logprob for token_id, logprob in entry.top}
+    return {"tokens": [piece.text for piece in chosen],
+            "token_logprobs": [None if entry is None else entry.logprob for entry in entries],
+            "top_logprobs": [None if entry is None else
+                             {_piece(token_id, pieces).text: logprob for token_id, logprob in entry.top}
                              for entry in entries],
             "text_offset": offsets}
+
+
+def vllm_prompt_logprobs(token_ids: list[int] | None, entries: list[TokenLogprobEntry | None] | None,
+                         pieces: Mapping[int, TokenPiece]) -> list[dict[str, Any] | None] | None:
+    """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}
+    holding the prompt token and then the top k (ranked 1..k)."""
+    if token_ids is None or entries is None:
+        return None
+    shown: list[dict[str, Any] | None] = []
+    for entry in entries:
+        if entry is None:
+            shown.append(None)
+            continue
+        ranked = {str(entry.token_id): _vllm_logprob(entry.logprob, entry.rank, entry.token_id, pieces)}
+        for rank, (token_id, logprob) in enumerate(entry.top, start=1):
+            ranked.setdefault(str(token_id), _vllm_logprob(logprob, rank, token_id, pieces))
+        shown.append(ranked)
+    return shown
+
+
+def _vllm_logprob(logprob: float, rank: int | None, token_id: int, pieces: Mapping[int, TokenPiece]) -> dict[str, Any]:
+    return {"logprob": logprob, "rank": rank, "decoded_token": _piece(token_id, pieces).text}
 
 
 def _item(token_id: int, logprob: float, pieces: Mapping[int, TokenPiece]) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from services.gateway.protocol import (ApiError, ParsedRequest, check_model, mod
                                        parse_completion_request, parse_detokenize_request, parse_json_body,
                                        parse_tokenize_request)
 from services.gateway.responses import (RequestOutput, ToolCallStream, chat_response, chat_role_chunk, chat_chunk,
-                                        completion_chunk, completion_response, usage_chunk)
+                                        completion_chunk, completion_response, echo_chunk, usage_chunk)
 from services.gateway.tokenizer_watch import TokenizerWatch
 from shared import transport
 from shared.actor import Actor
@@ -319,9 +319,10 @@ class Gateway(Actor):
         created = int(time.time())
         if parsed.is_chat:
             return json_response(chat_response(parsed.request_id, parsed.model, created, call.output,
-                                               parsed.has_logprobs, parsed.tool_policy, self.config.tool_call_parser))
+                                               parsed.has_logprobs, parsed.tool_policy, self.config.tool_call_parser,
+                                               parsed.has_prompt_logprobs))
         return json_response(completion_response(parsed.request_id, parsed.model, created, call.output,
-                                                 parsed.has_logprobs))
+                                                 parsed.has_logprobs, parsed.has_prompt_logprobs))
 
     async def _stream(self, request: web.Request, parsed: ParsedRequest, call: Call,
                       first: GenerateChunk) -> web.StreamResponse:
@@ -345,9 +346,11 @@ class Gateway(Actor):
         if parsed.is_chat:
             for index in range(parsed.n):
                 await write_event(response, chat_role_chunk(rid, model, created, index, usage))
+        # with logprobs a choice's echo waits for its first chunk, which brings the prompt's logprobs
+        unechoed = set(range(len(call.output.echoes))) if parsed.has_logprobs else set()
         for index, echo in enumerate(call.output.echoes):
-            await write_event(response, completion_chunk(rid, model, created, GenerateChunk(rid, index, echo, []),
-                                                         False, 0, usage))
+            if index not in unechoed:
+                await write_event(response, echo_chunk(rid, model, created, index, echo, None, usage))
         tools = None if parsed.tool_policy is None else ToolCallStream(parsed.tool_policy, parsed.n,
                                                                         self.config.tool_call_parser)
         chunk = first
@@ -355,10 +358,16 @@ class Gateway(Actor):
             if tools is not None:
                 bodies = tools.chat_chunks(rid, model, created, chunk, parsed.has_logprobs, usage)
             elif parsed.is_chat:
-                bodies = [chat_chunk(rid, model, created, chunk, parsed.has_logprobs, usage)]
+                bodies = [chat_chunk(rid, model, created, chunk, parsed.has_logprobs, usage,
+                                     parsed.has_prompt_logprobs)]
             else:
                 offset = len(call.output.samples[chunk.index].text) - len(chunk.text)
-                bodies = [completion_chunk(rid, model, created, chunk, parsed.has_logprobs, offset, usage)]
+                bodies = [completion_chunk(rid, model, created, chunk, parsed.has_logprobs, offset, usage,
+                                           parsed.has_prompt_logprobs)]
+                if chunk.index in unechoed:
+                    unechoed.discard(chunk.index)
+                    echo = call.output.echoes[chunk.index]
+                    bodies.insert(0, echo_chunk(rid, model, created, chunk.index, echo, chunk, usage))
             for body in bodies:
                 await write_event(response, body)
             if call.output.is_finished:

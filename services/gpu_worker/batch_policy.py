@@ -211,7 +211,7 @@ class BatchPolicy:
         if not self.cache.is_enabled:
             return False
         next_page = seq.num_computed // self.page_size
-        num_cacheable = (seq.num_tokens - 1) // self.page_size  # the pages match_prefix could reuse
+        num_cacheable = seq.num_reusable_tokens // self.page_size  # the pages match_prefix could reuse
         hashes = self._block_hashes(seq)
         return next_page < min(num_cacheable, len(hashes)) and hashes[next_page] in in_flight
 
@@ -268,8 +268,9 @@ class BatchPolicy:
         return ScheduledItem(seq, num_new, num_new == seq.num_uncomputed)
 
     def _attach_prefix(self, seq: Sequence, now: float) -> None:
-        """Reuse the longest cached prefix; at least the last token is always computed (for its logits)."""
-        match = self.cache.match_prefix(seq.token_ids[:-1], now)
+        """Reuse the longest cached prefix; at least the last token is always computed (for its logits), and every
+        position whose logits prompt logprobs need (a request asking for them matches no more than it has)."""
+        match = self.cache.match_prefix(seq.token_ids[:seq.num_reusable_tokens], now)
         if match.page_ids:
             self.cache.lock(match.node)
             seq.cache_node = match.node

@@ -97,7 +97,9 @@ class DecodeGraphs:
         prev_tokens: the previous step's sampled tokens [P] on the device (a view of `tokens` when that step
         was a replay whose tokens are the greedy ones, else copied in here)."""
         num_seqs = len(items)
-        if num_seqs > self.max_batch or not all(it.num_new_tokens == 1 and it.is_sampling for it in items):
+        # every row must sample: a prompt-only one-token chunk (max_tokens 0) samples nothing and runs eager
+        if num_seqs > self.max_batch or not all(it.num_new_tokens == 1 and it.is_sampling and it.seq.params.max_tokens
+                                                for it in items):
             return None
         width, page_size, bm = self.width, self.page_size, self.max_batch
         if any(len(it.seq.page_ids) > width for it in items):

@@ -4,6 +4,7 @@ Used offline (`Engine.generate`) by tests and benchmarks, and wrapped by the gpu
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -19,13 +20,15 @@ from services.gpu_worker.engine_metrics import EngineMetricsRecorder
 from services.gpu_worker.kv_cache import KVCache, select_pages
 from services.gpu_worker.model.loader import LoadedModel, load_model
 from services.gpu_worker.model.registry import architecture_for_type
+from services.gpu_worker.prompt_logprobs import (PromptLogprobBatch, PromptLogprobs, PromptSpan, prompt_logprob_tensors,
+                                                 slice_rows)
 from services.gpu_worker.radix_cache import RadixCache
 from services.gpu_worker.request import FinishReason, SamplingParams, TokenLogprob, TokenOutput
 from services.gpu_worker.sampler import SampledBatch, Sampler, SamplingRow, make_generator, needs_history
 from services.gpu_worker.sequence import Sequence, SeqStatus
 from services.gpu_worker.staging import to_device
 from services.gpu_worker.structured_output import StructuredOutput
-from shared.sampling import context_length_error
+from shared.sampling import check_logit_bias_ids, context_length_error
 
 if TYPE_CHECKING:
     from services.gpu_worker.parallel.state import TensorParallelGroup
@@ -47,6 +50,7 @@ class RequestResult:
     prompt_token_ids: list[int]
     num_cached_tokens: int
     samples: list[SequenceResult] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # params.prompt_logprobs: None first
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,8 @@ class LaunchedStep:
     forks: list[tuple[Sequence, list[Sequence]]]
     uncached: list[Sequence]  # filled a page ending with the previous step's (then pending) token
     needs_history: bool  # a row has penalties: its token must reach the host before the next sampling
+    prompt: PromptLogprobBatch | None = None  # prompt logprobs this step computed
+    unsampled: list[Sequence] = field(default_factory=list)  # max_tokens 0: prefilled, they end when it resolves
     early_outputs: list[TokenOutput] | None = None  # read by the next step's launch (see _constrain)
 
 
@@ -223,6 +229,7 @@ class Engine:
         """
         params = self._fit_default_max_tokens(prompt_token_ids, params)
         self._validate(request_id, prompt_token_ids, params.max_tokens)
+        check_logit_bias_ids(params.logit_bias, self.model_config.vocab_size)
         if is_prefill_only and params.n > 1:
             raise ValueError("a prefill-only request must have n == 1")
         seq = self._new_sequence(request_id, 0, list(prompt_token_ids), params)
@@ -266,6 +273,7 @@ class Engine:
         seq.num_prompt_tokens = len(prompt_token_ids)
         if seq.matcher is not None:  # the prefill worker's mask chose first_token
             self.structured.accept(seq.matcher, first_token)
+        seq.prompt_logprobs = None  # the prefill worker sent them with the first token
         self._requests[request_id] = [seq]
         num_reused = self.policy.reserve_import(seq, time.monotonic())
         seq.num_cached_tokens = num_cached_tokens
@@ -320,6 +328,8 @@ class Engine:
                        num_prompt_tokens=len(token_ids), params=params, arrival=time.monotonic(),
                        generator=make_generator(params.seed, index, self.device),
                        logprobs=[] if params.logprobs is not None else None)
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = PromptLogprobs.for_prompt(len(token_ids), params.prompt_logprobs)
         if params.output_constraint is not None:  # ValueError (a 400) when it does not compile
             seq.matcher = self.structured.new_matcher(params.output_constraint)
         self._next_seq_id += 1
@@ -406,7 +416,11 @@ class Engine:
     def _launch(self, plan: StepPlan, now: float) -> LaunchedStep:
         """Queue the forward and the sampling of one step; placeholders stand for its tokens."""
         self._num_steps += 1
-        logits, greedy = self._forward(plan)
+        ends = [item for item in plan.items if item.is_sampling]
+        unsampled = [item.seq for item in ends if item.seq.params.max_tokens == 0]
+        if unsampled:
+            ends = [item for item in ends if item.seq.params.max_tokens > 0]
+        logits, greedy, prompt = self._forward(plan)
         uncached = []
         for seq in self.policy.advance(plan):
             if seq.num_computed <= seq.num_known_tokens:
@@ -416,7 +430,9 @@ class Engine:
         seqs: list[Sequence] = []
         rows: list[int] = []
         forks: list[tuple[Sequence, list[Sequence]]] = []
-        for i, item in enumerate(item for item in plan.items if item.is_sampling):
+        for seq in unsampled:
+            seq.stops_when_resolved = True
+        for i, item in enumerate(ends):
             group = [item.seq]
             if item.seq.params.n > 1 and item.seq.index == 0 and not item.seq.is_forked:
                 children = self._make_children(item.seq)
@@ -425,7 +441,7 @@ class Engine:
             seqs += group
             rows += [i] * len(group)
         if not seqs:
-            return LaunchedStep(None, [], [], [], uncached, False)
+            return LaunchedStep(None, [], [], [], uncached, False, prompt, unsampled)
         if forks:  # NOTE: without siblings the logit rows are the sampled rows already, in order
             logits, greedy = logits[to_device(rows, torch.long, logits.device)], None
         positions = []
@@ -440,14 +456,18 @@ class Engine:
             logits, greedy = self._constrain(logits, seqs, now), None
         sample = self.sampler.launch(logits, [_sampling_row(s) for s in seqs], greedy)
         return LaunchedStep(sample, seqs, positions, forks, uncached,
-                            any(needs_history(s.params) for s in seqs))
+                            any(needs_history(s.params) for s in seqs), prompt, unsampled)
 
     def _resolve(self, launched: LaunchedStep, now: float) -> list[TokenOutput]:
-        """Read a launched step's tokens: stop checks, n > 1 starts, finishes, PD holds, outputs."""
+        """Read a launched step's tokens: prompt logprobs, stop checks, n > 1 starts, finishes, PD holds, outputs."""
         if launched.early_outputs is not None:  # read already, by the next step's launch (see _constrain)
             return launched.early_outputs
+        if launched.prompt is not None:
+            launched.prompt.apply()
+        outputs = [out for seq in launched.unsampled if seq.finish_reason is None
+                   for out in self._finish_unsampled(seq, now)]
         if launched.sample is None:
-            return []
+            return outputs
         token_ids, logprobs = launched.sample.resolve()
         live: list[tuple[Sequence, int, TokenLogprob | None]] = []
         for seq, position, token_id, logprob in zip(launched.seqs, launched.positions, token_ids, logprobs):
@@ -471,16 +491,25 @@ class Engine:
             elif seq.is_prefill_only:
                 self._hold(seq, now)
         self.metrics.on_generated(len(live))
-        return [self._output(seq, [t], [lp] if lp is not None else None) for seq, t, lp in live]
+        return outputs + [self._output(seq, [t], [lp] if lp is not None else None) for seq, t, lp in live]
 
-    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run the model over every scheduled chunk → logits of sampling chunks [B_s, V] fp32, and their
-        argmax [B_s] when a decode graph computed it (else None)."""
+    def _finish_unsampled(self, seq: Sequence, now: float) -> list[TokenOutput]:
+        """max_tokens 0: the prompt is computed (its logprobs are in); each of the n samples ends with no token."""
+        seq.stops_when_resolved = False
+        seq.finish_reason = FinishReason.LENGTH
+        self.policy.finish(seq, now)
+        first = self._output(seq, [])
+        return [first, *(dataclasses.replace(first, index=index) for index in range(1, seq.params.n))]
+
+    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor | None, PromptLogprobBatch | None]:
+        """Run the model over every scheduled chunk → logits of sampling chunks [B_s, V] fp32, their argmax [B_s]
+        when a decode graph computed it (else None), and the prompt logprobs the chunks give (eager steps only: a
+        replayed step is decodes and last prompt tokens, whose logits are no prompt token's)."""
         if self.graphs is not None:
             pending = [(i, item.seq.pending_row) for i, item in enumerate(plan.items) if item.seq.num_pending]
             replayed = self.graphs.try_forward(plan.items, pending, self._previous_tokens() if pending else None)
             if replayed is not None:
-                return replayed
+                return *replayed, None
         input_ids, positions, slots, query_start, seq_lens = [], [], [], [0], []
         logit_rows = []
         page_size = self.config.page_size
@@ -492,7 +521,7 @@ class Engine:
             slots.extend(seq.page_ids[p // page_size] * page_size + p % page_size for p in range(start, end))
             query_start.append(query_start[-1] + item.num_new_tokens)
             seq_lens.append(end)
-            if item.is_sampling:
+            if item.is_sampling and seq.params.max_tokens > 0:
                 logit_rows.append(query_start[-1] - 1)
         # the table's width rounded up to 16 pages: its row stride, a kernel argument, then always divides by 16, and
         # Triton compiles the kernels once instead of once more each time the widest sequence crosses a multiple
@@ -512,9 +541,39 @@ class Engine:
                    if item.seq.num_pending and seq_lens[i] == item.seq.num_tokens]
         self._feed_pending(pending, ids)
         hidden = self.model(ids, to_device(positions, self._index_dtype, dev), self.kv, meta, self.backend)
+        prompt = self._prompt_logprobs(plan, hidden, query_start)
         if not logit_rows:
-            return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32), None
-        return self.model.logits(hidden[to_device(logit_rows, torch.long, dev)]), None
+            return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32), None, prompt
+        return self.model.logits(hidden[to_device(logit_rows, torch.long, dev)]), None, prompt
+
+    def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor,
+                         query_start: list[int]) -> PromptLogprobBatch | None:
+        """The prompt logprobs of every position this step computes that its sequence still needs.
+        hidden: [T, H], the rows of the plan's chunks in order (chunk i from query_start[i])."""
+        spans: list[PromptSpan] = []
+        rows, target_ids = [], []
+        for i, item in enumerate(plan.items):
+            wanted, start = item.seq.prompt_logprobs, item.seq.num_computed
+            if wanted is None or wanted.is_complete:
+                continue
+            for position in range(start, start + item.num_new_tokens):
+                if not wanted.needs(position):
+                    continue
+                last = spans[-1] if spans else None
+                if last is not None and last.target is wanted and last.first_position + last.num_positions == position:
+                    last.num_positions += 1
+                else:
+                    spans.append(PromptSpan(wanted, position, 1))
+                rows.append(query_start[i] + position - start)
+                target_ids.append(item.seq.token_ids[position + 1])
+        if not rows:
+            return None
+        dev = hidden.device
+        tensors = prompt_logprob_tensors(self.model.logits, hidden[to_device(rows, torch.long, dev)],
+                                         to_device(target_ids, torch.long, dev),
+                                         max(span.target.num_top for span in spans),
+                                         slice_rows(self.model_config.vocab_size))
+        return PromptLogprobBatch.launch(spans, target_ids, tensors)
 
     def _constrain(self, logits: torch.Tensor, seqs: list[Sequence], now: float) -> torch.Tensor:
         """Structured output: mask the constrained rows' logits [B, V] in place. A row's mask needs its sequence's
@@ -541,6 +600,8 @@ class Engine:
         prompt = parent.token_ids[: parent.num_prompt_tokens]
         children = [self._new_sequence(parent.request_id, i, list(prompt), parent.params)
                     for i in range(1, parent.params.n)]
+        for child in children:
+            child.prompt_logprobs = parent.prompt_logprobs  # computed once, by the parent's prompt pass
         self._requests[parent.request_id].extend(children)
         return children
 
@@ -562,10 +623,16 @@ class Engine:
 
     def _output(self, seq: Sequence, token_ids: list[int],
                 logprobs: list[TokenLogprob] | None = None) -> TokenOutput:
+        """seq's output; its first once its prompt logprobs are complete carries them."""
+        prompt_logprobs = None
+        wanted = seq.prompt_logprobs
+        if wanted is not None and wanted.is_complete and not seq.has_sent_prompt_logprobs:
+            seq.has_sent_prompt_logprobs = True
+            prompt_logprobs = wanted.as_output()
         return TokenOutput(request_id=seq.request_id, index=seq.index, token_ids=token_ids,
                            logprobs=logprobs if seq.logprobs is not None else None,
                            finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
-                           num_cached_tokens=seq.num_cached_tokens)
+                           num_cached_tokens=seq.num_cached_tokens, prompt_logprobs=prompt_logprobs)
 
     def release_finished(self, request_id: str) -> None:
         """Forget a request whose samples have all finished."""
@@ -598,7 +665,8 @@ class Engine:
         seqs = sorted(self._requests[request_id], key=lambda s: s.index)
         first = seqs[0]
         return RequestResult(request_id, first.token_ids[: first.num_prompt_tokens], first.num_cached_tokens,
-                             [SequenceResult(s.output_token_ids, s.finish_reason, s.logprobs) for s in seqs])
+                             [SequenceResult(s.output_token_ids, s.finish_reason, s.logprobs) for s in seqs],
+                             first.prompt_logprobs.as_output() if first.prompt_logprobs is not None else None)
 
 
 def _drop_pending(seq: Sequence) -> None:

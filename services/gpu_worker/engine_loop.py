@@ -21,7 +21,7 @@ import structlog
 from services.gpu_worker.engine import Engine
 from services.gpu_worker.handoff import HandoffSettings, Handoffs, ImportDoneCommand
 from services.gpu_worker.kv_transfer.base import default_host_id
-from services.gpu_worker.request import TokenOutput
+from services.gpu_worker.request import TokenLogprob, TokenOutput
 from shared.messages import (CacheSnapshot, EngineMetrics, GenerateError, HandoffAccepted, KVEventBatch, KVReady,
                              PrefillRequest, ReleaseLease, RequestFinished, TokenBatch, TokenizedRequest,
                              TokenLogprobEntry, TokenOutputs, TransferStats, WorkerLoad)
@@ -104,12 +104,17 @@ class InFlight:
 
 def token_outputs(out: TokenOutput) -> TokenOutputs:
     """One engine TokenOutput as its wire form."""
-    logprobs = None if out.logprobs is None else [
-        TokenLogprobEntry(int(lp.token_id), float(lp.logprob), [(int(t), float(v)) for t, v in lp.top])
-        for lp in out.logprobs]
+    logprobs = None if out.logprobs is None else [_logprob_entry(lp) for lp in out.logprobs]
+    prompt_logprobs = None if out.prompt_logprobs is None else [
+        None if lp is None else _logprob_entry(lp) for lp in out.prompt_logprobs]
     reason = None if out.finish_reason is None else out.finish_reason.value
     return TokenOutputs(out.request_id, out.index, [int(t) for t in out.token_ids], logprobs, reason,
-                        out.num_prompt_tokens, out.num_cached_tokens)
+                        out.num_prompt_tokens, out.num_cached_tokens, prompt_logprobs)
+
+
+def _logprob_entry(lp: TokenLogprob) -> TokenLogprobEntry:
+    return TokenLogprobEntry(int(lp.token_id), float(lp.logprob), [(int(t), float(v)) for t, v in lp.top],
+                             None if lp.rank is None else int(lp.rank))
 
 
 def engine_load(engine: Engine, num_leased_pages: int = 0) -> WorkerLoad:

@@ -20,6 +20,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None  # 1 + the number of tokens more likely than the chosen one (prompt logprobs: known)
 
 
 @dataclass
@@ -33,3 +34,5 @@ class TokenOutput:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache
+    # prompt logprobs (params.prompt_logprobs), on each sample's first output: one per prompt token, None first
+    prompt_logprobs: list[TokenLogprob | None] | None = None

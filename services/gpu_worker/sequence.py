@@ -6,6 +6,7 @@ from enum import Enum
 
 import torch
 
+from services.gpu_worker.prompt_logprobs import PromptLogprobs
 from services.gpu_worker.request import FinishReason, SamplingParams, TokenLogprob
 
 
@@ -51,8 +52,11 @@ class Sequence:
     # device and not yet seen by the host; pending_row is the newest one's row in its step's token tensor.
     num_pending: int = 0
     pending_row: int = -1
-    stops_when_resolved: bool = False  # its pending token ends it whatever its value (length, PD hold)
+    stops_when_resolved: bool = False  # its pending token ends it whatever its value (length, PD hold, max_tokens 0)
     matcher: object | None = None  # structured output: its llguidance matcher, advanced by each resolved token
+    # params.prompt_logprobs: filled during prefill (shared with n > 1 siblings); sent once, on the first output
+    prompt_logprobs: PromptLogprobs | None = None
+    has_sent_prompt_logprobs: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +74,15 @@ class Sequence:
     def num_known_tokens(self) -> int:
         """Tokens whose values the host has (all but the pending placeholders)."""
         return len(self.token_ids) - self.num_pending
+
+    @property
+    def num_reusable_tokens(self) -> int:
+        """Leading tokens whose KV the prefix cache may serve: all but the last (its logits give the next token), and
+        for prompt logprobs none from the first position whose logits are still needed (cached KV has no logits)."""
+        num = len(self.token_ids) - 1
+        if self.prompt_logprobs is not None and not self.prompt_logprobs.is_complete:
+            num = min(num, self.prompt_logprobs.num_leading())
+        return num
 
     @property
     def num_uncomputed(self) -> int:

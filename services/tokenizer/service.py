@@ -52,7 +52,8 @@ from shared.messages import (
     TokenOutputs,
     encode,
 )
-from shared.sampling import SamplingError, SamplingParams, context_length_error, prompt_length_error
+from shared.sampling import (SamplingError, SamplingParams, check_logit_bias_ids, context_length_error,
+                             prompt_length_error)
 from shared.transport import MAX_FRAME_BYTES, advertised, bind, context, receive_forever, send
 
 log = structlog.get_logger(__name__)
@@ -74,6 +75,7 @@ class RequestState:
     samples: list[SampleDetokenizer] = field(default_factory=list)
     wants_token_texts: bool = False
     hides_special_logprobs: bool = False  # chat text skips special tokens: so do its logprobs
+    prompt_token_ids: list[int] | None = None  # kept when sampling.prompt_logprobs asks for the prompt's logprobs
     worker_finished: set[int] = field(default_factory=set)  # sample indexes the worker has ended
 
     @property
@@ -171,7 +173,10 @@ class TokenizerService(Actor):
                 return  # aborted while tokenizing
             state.samples = [SampleDetokenizer(self.tokenizer, req.stop, req.skip_special_tokens,
                                                tokenized.prompt_token_ids) for _ in range(req.sampling.n)]
-            state.wants_token_texts = req.sampling.logprobs is not None and self.tokenizer is not None
+            wants_prompt_logprobs = req.sampling.prompt_logprobs is not None
+            state.wants_token_texts = (req.sampling.logprobs is not None or wants_prompt_logprobs) and \
+                self.tokenizer is not None
+            state.prompt_token_ids = tokenized.prompt_token_ids if wants_prompt_logprobs else None
             state.hides_special_logprobs = req.messages is not None and req.skip_special_tokens
             await self._run(self.table.add(tokenized))
         except Exception as exc:  # noqa: BLE001 - one bad request must not affect the others
@@ -233,6 +238,7 @@ class TokenizerService(Actor):
             raise PromptError("n must be at least 1")
         ids = self._prompt_ids(req)
         self._check_context(len(ids), req.sampling)
+        check_logit_bias_ids(req.sampling.logit_bias, self.vocab_size)
         return TokenizedRequest(
             request_id=req.request_id, prompt_token_ids=ids,
             block_hashes=hash_blocks(ids, self.config.page_size, self.model_id), sampling=req.sampling,
@@ -303,7 +309,7 @@ class TokenizerService(Actor):
             return
         step = sample.step(out.token_ids, is_final=out.finish_reason is not None)
         chunk = self._chunk(out, step, state)
-        if chunk.text or chunk.token_ids or chunk.finish_reason:
+        if chunk.text or chunk.token_ids or chunk.finish_reason or chunk.prompt_logprobs:
             await send(self.router, chunk, state.gateway)
         if state.is_finished:
             del self.requests[out.request_id]
@@ -313,16 +319,21 @@ class TokenizerService(Actor):
     def _chunk(self, out: TokenOutputs, step: SampleStep, state: RequestState) -> GenerateChunk:
         ids = out.token_ids[:step.num_tokens]
         logprobs = out.logprobs[:step.num_tokens] if out.logprobs is not None else None
+        prompt_logprobs = out.prompt_logprobs if state.prompt_token_ids is not None else None
+        prompt_ids = state.prompt_token_ids if prompt_logprobs is not None else None
         texts = pieces = None
         if state.wants_token_texts and self.pieces is not None:
             logprobs = self._shown_logprobs(logprobs, state)
             texts = [self.pieces.piece(token_id).text for token_id in ids]
             named = [token_id for entry in logprobs or () for token_id, _ in entry.top]
-            pieces = self.pieces.pieces([*ids, *named])
+            prompt_named = [token_id for entry in prompt_logprobs or () if entry is not None
+                            for token_id, _ in entry.top]
+            pieces = self.pieces.pieces([*ids, *named, *(prompt_ids or ()), *prompt_named])
         return GenerateChunk(
             request_id=out.request_id, index=out.index, text=step.text, token_ids=ids, logprobs=logprobs,
             token_texts=texts, finish_reason="stop" if step.is_stopped else out.finish_reason,
-            num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens, token_pieces=pieces)
+            num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens, token_pieces=pieces,
+            prompt_logprobs=prompt_logprobs, prompt_token_ids=prompt_ids)
 
     def _shown_logprobs(self, logprobs: list[TokenLogprobEntry] | None,
                         state: RequestState) -> list[TokenLogprobEntry] | None:

@@ -2,14 +2,17 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from typing import Any
 from pathlib import Path
 
 import openai
@@ -46,6 +49,17 @@ def stop(proc: subprocess.Popen, timeout_s: float = 30.0) -> int:
             proc.kill()
             proc.wait()
     return proc.returncode
+
+
+def post_json(url: str, body: dict[str, Any], timeout_s: float = 120.0) -> tuple[int, dict]:
+    """POST body as JSON → (status, the JSON answer), error statuses included."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"},
+                                 method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
 
 
 @contextlib.contextmanager

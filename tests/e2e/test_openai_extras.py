@@ -4,28 +4,17 @@ Greedy answers of a batch equal those of each prompt alone; a prompt that fails 
 (the engine goes idle at once instead of generating the long one to its end)."""
 from __future__ import annotations
 
-import json
 import time
-import urllib.error
 import urllib.request
-from typing import Any
 
 import openai
 import pytest
 
+from tests.e2e.conftest import post_json as _post
+
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
 FRANCE = [504, 3575, 282, 4649, 314]  # "The capital of France is"
-
-
-def _post(url: str, body: dict[str, Any]) -> tuple[int, dict]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"},
-                                 method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
 
 
 def _metric(url: str, name: str) -> float:
@@ -93,9 +82,10 @@ def test_echo_prepends_the_prompt(client: openai.OpenAI) -> None:
     by_ids = client.completions.create(model=MODEL, prompt=[FRANCE], max_tokens=4, temperature=0, echo=True)
     assert by_ids.choices[0].text == by_text.choices[0].text
     assert by_ids.usage.completion_tokens == plain.usage.completion_tokens
-    with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=MODEL, prompt=[FRANCE], max_tokens=1, echo=True, logprobs=1)
-    assert (info.value.code, info.value.param) == ("unsupported_value", "echo")
+    with_logprobs = client.completions.create(model=MODEL, prompt=[FRANCE], max_tokens=4, temperature=0, echo=True,
+                                              logprobs=1)  # the prompt's logprobs: tests/e2e/test_prompt_logprobs.py
+    assert with_logprobs.choices[0].text == by_ids.choices[0].text
+    assert len(with_logprobs.choices[0].logprobs.tokens) == len(FRANCE) + with_logprobs.usage.completion_tokens
 
 
 def test_tokenize_and_detokenize(served: str, client: openai.OpenAI) -> None:

@@ -123,11 +123,12 @@ async def test_echo_of_an_undecodable_prompt_is_the_tokenizers_400(gateway: Gate
 
 
 @pytest.mark.asyncio
-async def test_echo_with_logprobs_is_a_clear_400(gateway: GatewayProcess) -> None:
-    with pytest.raises(openai.BadRequestError) as info:
-        await client(gateway).completions.create(model=MODEL, prompt=[[1, 2]], echo=True, logprobs=1, max_tokens=1)
-    assert (info.value.code, info.value.param) == ("unsupported_value", "echo")
-    assert "logprobs of the prompt's tokens" in info.value.message
+async def test_echo_with_logprobs_asks_for_the_prompts_logprobs(gateway: GatewayProcess, peers: FakePeers) -> None:
+    reply = await client(gateway).completions.create(model=MODEL, prompt=[[1, 2]], echo=True, logprobs=1,
+                                                     max_tokens=1)
+    assert reply.choices[0].text.startswith("\x01\x02")  # the fake tokenizer's text of ids 1, 2
+    sampling = peers.requests[-1].sampling
+    assert (sampling.logprobs, sampling.prompt_logprobs, sampling.max_tokens) == (1, 1, 1)
 
 
 # --- /tokenize and /detokenize ---

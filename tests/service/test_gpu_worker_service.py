@@ -330,8 +330,8 @@ def test_abort_of_a_waiting_n_request_ends_every_sample(worker: Worker) -> None:
     ([], {}, "the prompt is empty", None, None),
     ([5, 6], {"top_p": 0.0}, "Invalid 'top_p': decimal below minimum value. Expected a value > 0, but got 0.0 instead.",
      "decimal_below_min_value", "top_p"),
-    ([5, 6], {"max_tokens": 0},
-     "Invalid 'max_tokens': integer below minimum value. Expected a value >= 1, but got 0 instead.",
+    ([5, 6], {"max_tokens": -1},
+     "Invalid 'max_tokens': integer below minimum value. Expected a value >= 0, but got -1 instead.",
      "integer_below_min_value", "max_tokens"),
 ])
 def test_an_invalid_request_gets_400_and_the_worker_serves_on(worker: Worker, prompt: list[int], sampling: dict,

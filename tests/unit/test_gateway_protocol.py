@@ -268,8 +268,8 @@ def test_chat_validation_errors(body: dict, status: int, param: str | None, code
 @pytest.mark.parametrize("body, status, param, code, fragment", [
     ({"logprobs": 6}, 400, "logprobs", "integer_above_max_value", "<= 5"),
     ({"logprobs": True}, 400, "logprobs", "invalid_type", "expected an integer, but got a boolean"),
-    ({"echo": True, "logprobs": 1}, 400, "echo", "unsupported_value", "needs the logprobs of the prompt's tokens"),
-    ({"echo": True, "logprobs": 0}, 400, "echo", "unsupported_value", "needs the logprobs of the prompt's tokens"),
+    ({"max_tokens": 0}, 400, "max_tokens", "integer_below_min_value", "Expected a value >= 1, but got 0"),
+    ({"prompt_logprobs": 21}, 400, "prompt_logprobs", "integer_above_max_value", "<= 20"),
     ({"echo": 1}, 400, "echo", "invalid_type", "expected a boolean"),
     ({"suffix": "x"}, 400, "suffix", "unsupported_parameter", "'suffix' is not supported"),
     ({"best_of": 3}, 400, "best_of", "unsupported_parameter", "'best_of' is not supported"),
@@ -468,3 +468,23 @@ def test_tokenize_errors(parse, body: Any, param: str | None, code: str | None, 
         parse(body, request_id="t")
     assert (info.value.status, info.value.param, info.value.code) == (400, param, code)
     assert fragment in info.value.message
+
+
+# --- prompt logprobs ---
+
+def test_echo_with_logprobs_asks_for_the_prompts_logprobs() -> None:
+    parsed = completion(echo=True, logprobs=2, max_tokens=0)
+    assert parsed.generate.sampling == SamplingSpec(max_tokens=0, logprobs=2, prompt_logprobs=2)
+    assert (parsed.is_echo, parsed.has_prompt_logprobs) == (True, False)
+    assert completion(echo=True, logprobs=1, prompt_logprobs=4).generate.sampling.prompt_logprobs == 4
+    assert completion(echo=True, max_tokens=0).generate.sampling.prompt_logprobs is None  # echo alone: the text
+
+
+def test_prompt_logprobs_is_vllms_field_on_both_endpoints() -> None:
+    parsed = completion(prompt_logprobs=0, max_tokens=0)
+    assert (parsed.generate.sampling.prompt_logprobs, parsed.generate.sampling.max_tokens) == (0, 0)
+    assert parsed.has_prompt_logprobs is True
+    assert chat(prompt_logprobs=3).generate.sampling.prompt_logprobs == 3
+    assert chat(prompt_logprobs=3).has_prompt_logprobs is True
+    assert error_of(chat, prompt_logprobs=3, max_tokens=0).param == "max_tokens"  # chat always generates
+    assert error_of(chat, max_completion_tokens=0).param == "max_completion_tokens"

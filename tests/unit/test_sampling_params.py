@@ -28,7 +28,7 @@ def test_the_wire_form_keeps_its_field_names_and_defaults() -> None:
     params = msgspec.msgpack.decode(msgspec.msgpack.encode(old_sender), type=SamplingParams)
 
     assert params == SamplingParams(max_tokens=5, temperature=0.5, stop_token_ids=(7,))
-    additive = {"logit_bias": [], "is_max_tokens_default": False, "output_constraint": None}
+    additive = {"logit_bias": [], "is_max_tokens_default": False, "prompt_logprobs": None, "output_constraint": None}
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(params)) == {**old_sender, **additive}
     assert msgspec.msgpack.decode(msgspec.msgpack.encode({}), type=SamplingParams) == SamplingParams()
 
@@ -43,8 +43,10 @@ def test_logit_bias_crosses_the_wire_as_pairs() -> None:
 @pytest.mark.parametrize("fields, param, code, message", [
     ({"top_p": 0.0}, "top_p", "decimal_below_min_value",
      "Invalid 'top_p': decimal below minimum value. Expected a value > 0, but got 0.0 instead."),
-    ({"max_tokens": 0}, "max_tokens", "integer_below_min_value",
-     "Invalid 'max_tokens': integer below minimum value. Expected a value >= 1, but got 0 instead."),
+    ({"max_tokens": -1}, "max_tokens", "integer_below_min_value",
+     "Invalid 'max_tokens': integer below minimum value. Expected a value >= 0, but got -1 instead."),
+    ({"prompt_logprobs": 21}, "prompt_logprobs", "integer_above_max_value",
+     "Invalid 'prompt_logprobs': integer above maximum value. Expected a value <= 20, but got 21 instead."),
     ({"temperature": 2.5}, "temperature", "decimal_above_max_value",
      "Invalid 'temperature': decimal above maximum value. Expected a value <= 2, but got 2.5 instead."),
     ({"n": 17}, "n", "integer_above_max_value",
@@ -82,5 +84,5 @@ def test_values_from_json_are_normalized_to_the_field_types() -> None:
     assert type(params.temperature) is float
     assert check_value("max_tokens", 3, param="max_completion_tokens") == 3
     with pytest.raises(SamplingError, match="'max_completion_tokens'") as info:
-        check_value("max_tokens", 0, param="max_completion_tokens")
+        check_value("max_tokens", -1, param="max_completion_tokens")
     assert info.value.param == "max_completion_tokens"
