@@ -212,3 +212,20 @@ def test_lm_eval_local_completions_agrees_with_transformers(url: str, hf: torch.
         want_total, want_greedy = _hf_loglikelihood(hf, context_ids, continuation_ids)
         assert math.isclose(total, want_total, abs_tol=TOL) and is_greedy == want_greedy, (context, continuation)
     assert [g for _, g in answers] != [False] * len(PAIRS)  # " Paris" is the greedy continuation
+
+
+def test_logit_bias_ids_are_checked_and_sampled_rows_obey_the_bias(url: str, loaded: LoadedModel) -> None:
+    vocab = loaded.config.vocab_size
+    prompt = loaded.tokenizer.encode("The capital of France is")
+    status, body = _post(url + "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1,
+                                                   "logit_bias": {str(vocab): 5}})
+    assert status == 400, body
+    assert (body["error"]["code"], body["error"]["param"]) == ("invalid_value", "logit_bias")
+    assert body["error"]["message"] == f"Invalid key in 'logit_bias': {vocab}. Maximum value is {vocab - 1}."
+    forced = loaded.tokenizer.encode(" of")[0]
+    for temperature in (0.0, 1.5):  # greedy, and sampled from every token
+        status, body = _post(url + "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 4, "seed": 7,
+                                                       "temperature": temperature, "logit_bias": {str(forced): 100},
+                                                       "logprobs": 0})
+        assert status == 200, body
+        assert body["choices"][0]["logprobs"]["tokens"] == [" of"] * 4

@@ -333,6 +333,8 @@ def test_abort_of_a_waiting_n_request_ends_every_sample(worker: Worker) -> None:
     ([5, 6], {"max_tokens": -1},
      "Invalid 'max_tokens': integer below minimum value. Expected a value >= 0, but got -1 instead.",
      "integer_below_min_value", "max_tokens"),
+    ([5, 6], {"logit_bias": ((3, 1.0), (VOCAB, 5.0))}, f"Invalid key in 'logit_bias': {VOCAB}. Maximum value is "
+     f"{VOCAB - 1}.", "invalid_value", "logit_bias"),
 ])
 def test_an_invalid_request_gets_400_and_the_worker_serves_on(worker: Worker, prompt: list[int], sampling: dict,
                                                                message: str, error_code: str | None,

@@ -67,3 +67,44 @@ def test_without_pieces_tokens_are_named_by_id() -> None:
     older.add(chunk("", [10], ENTRIES[:1], None))
     [item] = chat_response("r1", MODEL, 1, older, has_logprobs=True)["choices"][0]["logprobs"]["content"]
     assert [t["token"] for t in item["top_logprobs"]] == ["bytes:\\xf0\\x9f", "token_id:20"]
+
+
+# prompt " Yes" "No" 😀 (ids 20, 21, 10, 11), each token after the first with its logprob, rank and top 1
+PROMPT = [20, 21, 10, 11]
+PROMPT_ENTRIES = [None, TokenLogprobEntry(21, -3.0, [(20, -0.1)], rank=4), TokenLogprobEntry(10, -0.2, [(10, -0.2)]),
+                  TokenLogprobEntry(11, -0.01, [(11, -0.01)], rank=1)]
+
+
+def prompt_chunk() -> GenerateChunk:
+    return GenerateChunk("r1", 0, "No", [21], logprobs=[TokenLogprobEntry(21, -0.7, [(21, -0.7)])],
+                         finish_reason="length", num_prompt_tokens=4, token_pieces=PIECES,
+                         prompt_logprobs=PROMPT_ENTRIES, prompt_token_ids=PROMPT)
+
+
+def test_echo_logprobs_start_with_the_prompts_tokens() -> None:
+    output = RequestOutput(1)
+    output.echo(0, " YesNo😀")
+    assert output.add(prompt_chunk())
+    logprobs = completion_response("r1", MODEL, 1, output, has_logprobs=True)["choices"][0]["logprobs"]
+    assert logprobs == {"tokens": [" Yes", "No", "bytes:\\xf0\\x9f", "bytes:\\x98\\x80", "No"],
+                        "token_logprobs": [None, -3.0, -0.2, -0.01, -0.7],
+                        "top_logprobs": [None, {" Yes": -0.1}, {"bytes:\\xf0\\x9f": -0.2},
+                                         {"bytes:\\x98\\x80": -0.01}, {"No": -0.7}],
+                        "text_offset": [0, 4, 6, 6, 7]}  # 😀's two tokens are one character; then the 7-long echo
+
+
+def test_vllm_prompt_logprobs_hold_the_prompt_token_then_the_top_k() -> None:
+    output = RequestOutput(1)
+    assert output.add(prompt_chunk())
+    choice = completion_response("r1", MODEL, 1, output, has_logprobs=False, has_prompt_logprobs=True)["choices"][0]
+    assert choice["logprobs"] is None
+    assert choice["prompt_logprobs"] == [
+        None, {"21": {"logprob": -3.0, "rank": 4, "decoded_token": "No"},
+               "20": {"logprob": -0.1, "rank": 1, "decoded_token": " Yes"}},
+        {"10": {"logprob": -0.2, "rank": None, "decoded_token": "bytes:\\xf0\\x9f"}},
+        {"11": {"logprob": -0.01, "rank": 1, "decoded_token": "bytes:\\x98\\x80"}}]
+    chat = chat_response("r1", MODEL, 1, output, has_logprobs=False, has_prompt_logprobs=True)
+    assert chat["prompt_logprobs"] == chat["choices"][0]["prompt_logprobs"] == choice["prompt_logprobs"]
+    streamed = completion_chunk("r1", MODEL, 1, prompt_chunk(), False, 0, False, has_prompt_logprobs=True)
+    assert streamed["choices"][0]["prompt_logprobs"] == choice["prompt_logprobs"]
+    assert "prompt_logprobs" not in completion_response("r1", MODEL, 1, output, has_logprobs=False)["choices"][0]
