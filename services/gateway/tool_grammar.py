@@ -16,15 +16,18 @@ from shared.output_constraint import JSON_OPTIONS, ConstraintKind, OutputConstra
 _REF_PREFIXES = ("#/$defs/", "#/definitions/")
 
 
-def tool_call_constraint(tools: list[ToolFunction], parser: str) -> OutputConstraint:
-    """The grammar of one or more calls to these tools, in the parser's format (`auto`: hermes or llama3_json)."""
+def tool_call_constraint(tools: list[ToolFunction], parser: str, is_parallel: bool = True) -> OutputConstraint:
+    """The grammar of one or more calls to these tools (one alone unless is_parallel: parallel_tool_calls false), in
+    the parser's format (`auto`: hermes or llama3_json)."""
     rules = []
     if parser in ("hermes", "auto"):
-        rules.append('hermes: hermes_call ("\\n" hermes_call)*\n'
+        more = ' ("\\n" hermes_call)*' if is_parallel else ""
+        rules.append(f'hermes: hermes_call{more}\n'
                      'hermes_call: "<tool_call>\\n" hermes_body "\\n</tool_call>"\n'
                      f"hermes_body: %json {json.dumps(calls_schema(tools, 'arguments'))}\n")
     if parser in ("llama3_json", "auto"):
-        rules.append('llama: llama_body ("; " llama_body)*\n'
+        more = ' ("; " llama_body)*' if is_parallel else ""
+        rules.append(f'llama: llama_body{more}\n'
                      f"llama_body: %json {json.dumps(calls_schema(tools, 'parameters'))}\n")
     start = {"hermes": "hermes", "llama3_json": "llama"}.get(parser, "hermes | llama")
     return OutputConstraint(ConstraintKind.LARK, f"start: {start}\n" + "".join(rules))
@@ -32,21 +35,34 @@ def tool_call_constraint(tools: list[ToolFunction], parser: str) -> OutputConstr
 
 def calls_schema(tools: list[ToolFunction], arguments_key: str) -> dict[str, Any]:
     """A JSON schema of one call: {"name": one tool's name, arguments_key: that tool's parameters}. Each tool's own
-    $defs move to the top, renamed per tool, with its $refs rewritten to match."""
+    $defs move to the top, renamed per tool, with its $refs rewritten to match; objects are closed (see _closed)."""
     variants, defs = [], {}
     for i, tool in enumerate(tools):
         parameters = json.loads(tool.parameters) if tool.parameters else {"type": "object"}
         own_defs = {**parameters.pop("definitions", {}), **parameters.pop("$defs", {})}
         prefix = f"tool{i}_"
-        defs.update({prefix + name: _renamed_refs(d, prefix) for name, d in own_defs.items()})
+        defs.update({prefix + name: _closed(_renamed_refs(d, prefix)) for name, d in own_defs.items()})
         variants.append({"type": "object", "properties": {"name": {"const": tool.name},
-                                                          arguments_key: _renamed_refs(parameters, prefix)},
+                                                          arguments_key: _closed(_renamed_refs(parameters, prefix))},
                          "required": ["name", arguments_key], "additionalProperties": False})
     schema: dict[str, Any] = {"anyOf": variants} if len(variants) > 1 else variants[0]
     if defs:
         schema["$defs"] = defs
     schema["x-guidance"] = JSON_OPTIONS
     return schema
+
+
+def _closed(value: Any) -> Any:
+    """value with additionalProperties false in every object schema that lists properties and says nothing of others
+    (as OpenAI's strict function calling reads a schema): a call's arguments are the ones the tool describes."""
+    if isinstance(value, list):
+        return [_closed(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    closed = {k: _closed(v) if k != "properties" else {n: _closed(p) for n, p in v.items()} for k, v in value.items()}
+    if "properties" in closed and "additionalProperties" not in closed:
+        closed["additionalProperties"] = False
+    return closed
 
 
 def _renamed_refs(value: Any, prefix: str) -> Any:

@@ -22,6 +22,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
     "type": "object", "properties": {"city": {"$ref": "#/$defs/City"}}, "required": ["city"],
     "$defs": {"City": {"type": "string", "maxLength": 12}}}}}
 CLOCK = {"type": "function", "function": {"name": "get_time"}}
+CLOCK_PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"}}}
 
 
 def chat(**body: Any):
@@ -131,3 +132,11 @@ def test_auto_parser_grammar_takes_either_format() -> None:
 
     assert _matches(constraint, '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
     assert _matches(constraint, '{"name": "get_time", "parameters": {}}; {"name": "get_time", "parameters": {}}')
+
+
+def test_tool_arguments_have_no_properties_the_tool_does_not_describe() -> None:
+    constraint = tool_call_constraint([ToolFunction("get_time", "", json.dumps(CLOCK_PARAMETERS))], "hermes")
+
+    assert _matches(constraint, '<tool_call>\n{"name": "get_time", "arguments": {"city": "Oslo"}}\n</tool_call>')
+    assert not _matches(constraint, '<tool_call>\n{"name": "get_time", "arguments": {"city": "Oslo", "x": 1}}\n'
+                                    '</tool_call>')
