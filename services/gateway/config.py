@@ -43,7 +43,8 @@ class GatewayConfig:
         "(a restarted tokenizer is known at once by its new incarnation)"))
     tool_call_parser: str = field(default="auto", metadata=_help(
         "how chat outputs become tool_calls: hermes (<tool_call>{...}</tool_call>: Hermes, Qwen, the fallback "
-        "prompt), llama3_json ({\"name\": ..., \"parameters\": ...}: Llama 3.x) or auto (both)"))
+        "prompt), llama3_json ({\"name\": ..., \"parameters\": ...}: Llama 3.x) or auto (both); tool_choice required "
+        "or a named function is enforced with a grammar of this format"))
     log_level: str = field(default="info", metadata=_help("debug, info, warning or error"))
 
     def __post_init__(self) -> None:
