@@ -132,7 +132,7 @@ class ToolCallStream:
         self._num_sent = [0] * num_choices  # calls streamed per choice: the next call's index
 
     def chat_chunks(self, request_id: str, model: str, created: int, chunk: GenerateChunk, has_logprobs: bool,
-                    include_usage: bool) -> list[dict[str, Any]]:
+                    include_usage: bool, has_prompt_logprobs: bool = False) -> list[dict[str, Any]]:
         """The chunk bodies for chunk (none when it releases nothing and ends nothing)."""
         parser = self.parsers[chunk.index]
         events = parser.feed(chunk.text)
@@ -142,7 +142,8 @@ class ToolCallStream:
             _check_required(self.policy, parser.num_calls, chunk.index, "")
             finish_reason = _tool_finish_reason(finish_reason) if parser.num_calls else finish_reason
         deltas = [delta for event in events for delta in self._deltas(chunk.index, event)]
-        if not deltas and (finish_reason is not None or (has_logprobs and chunk.logprobs)):
+        if not deltas and (finish_reason is not None or (has_logprobs and chunk.logprobs)
+                           or (has_prompt_logprobs and chunk.prompt_logprobs)):
             deltas = [{}]
         bodies = []
         for i, delta in enumerate(deltas):
@@ -150,6 +151,7 @@ class ToolCallStream:
             logprobs = chat_logprobs(chunk.logprobs or [], _pieces(chunk)) if has_logprobs and is_first else None
             choice = {"index": chunk.index, "delta": delta, "logprobs": logprobs,
                       "finish_reason": finish_reason if is_last else None}
+            _add_prompt_logprobs(choice, chunk, has_prompt_logprobs and is_first)
             bodies.append(_chunk(request_id, "chat.completion.chunk", model, created, choice, include_usage))
         return bodies
 

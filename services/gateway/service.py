@@ -356,7 +356,8 @@ class Gateway(Actor):
         chunk = first
         while True:
             if tools is not None:
-                bodies = tools.chat_chunks(rid, model, created, chunk, parsed.has_logprobs, usage)
+                bodies = tools.chat_chunks(rid, model, created, chunk, parsed.has_logprobs, usage,
+                                           parsed.has_prompt_logprobs)
             elif parsed.is_chat:
                 bodies = [chat_chunk(rid, model, created, chunk, parsed.has_logprobs, usage,
                                      parsed.has_prompt_logprobs)]

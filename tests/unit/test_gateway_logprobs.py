@@ -1,8 +1,9 @@
 """Logprob bodies from the tokenizer's token pieces: alternatives by text and bytes, chat and completions."""
 from __future__ import annotations
 
-from services.gateway.responses import (RequestOutput, chat_chunk, chat_response, completion_chunk,
+from services.gateway.responses import (RequestOutput, ToolCallStream, chat_chunk, chat_response, completion_chunk,
                                         completion_response)
+from services.gateway.tool_request import ToolPolicy
 from shared.messages import GenerateChunk, TokenLogprobEntry, TokenPiece
 
 MODEL = "m"
@@ -108,3 +109,13 @@ def test_vllm_prompt_logprobs_hold_the_prompt_token_then_the_top_k() -> None:
     streamed = completion_chunk("r1", MODEL, 1, prompt_chunk(), False, 0, False, has_prompt_logprobs=True)
     assert streamed["choices"][0]["prompt_logprobs"] == choice["prompt_logprobs"]
     assert "prompt_logprobs" not in completion_response("r1", MODEL, 1, output, has_logprobs=False)["choices"][0]
+
+
+def test_streamed_chat_shows_the_prompt_logprobs_once_with_or_without_tools() -> None:
+    plain = chat_chunk("r1", MODEL, 1, prompt_chunk(), False, False, has_prompt_logprobs=True)
+    tools = ToolCallStream(ToolPolicy(frozenset({"f"}), False), 1)
+    [with_tools] = tools.chat_chunks("r1", MODEL, 1, prompt_chunk(), False, False, has_prompt_logprobs=True)
+    assert plain["choices"][0]["prompt_logprobs"] == with_tools["choices"][0]["prompt_logprobs"]
+    assert with_tools["choices"][0]["prompt_logprobs"][1]["21"]["rank"] == 4
+    later = GenerateChunk("r1", 0, "x", [21], finish_reason="stop")
+    assert "prompt_logprobs" not in chat_chunk("r1", MODEL, 1, later, False, False, True)["choices"][0]

@@ -104,6 +104,29 @@ def test_failed_pull_recomputes_and_abort_during_import_frees_pages_only_at_the_
     assert _leaks(decode) == 0 and not decode.has_unfinished()
 
 
+def test_prompt_logprobs_come_from_the_prefill_worker_only(engines) -> None:
+    prefill, decode, colocated, _ = engines
+    prompt, params = _prompt(21, seed=5), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True,
+                                                         prompt_logprobs=2)
+    want = colocated.generate([prompt], params)[0].prompt_logprobs
+    prefill.add_request("pl", prompt, params, is_prefill_only=True)
+    outputs = []
+    while prefill.has_unfinished():
+        outputs += prefill.step()
+    (first,) = outputs
+    assert [(e.token_id, e.rank) for e in first.prompt_logprobs[1:]] == [(e.token_id, e.rank) for e in want[1:]]
+    assert [e.logprob for e in first.prompt_logprobs[1:]] == pytest.approx([e.logprob for e in want[1:]], abs=1e-5)
+    (handoff,) = prefill.drain_handoffs()
+    prefill.release_held("pl")
+    decode.import_request("pl", prompt, handoff.first_token, params)
+    assert decode.finish_import("pl", is_filled=False)  # recomputes the prompt here, and still sends none
+    outputs = []
+    while decode.has_unfinished():
+        outputs += decode.step()
+    outputs += decode.flush()
+    assert sum(len(o.token_ids) for o in outputs) == 2 and all(o.prompt_logprobs is None for o in outputs)
+
+
 def test_abort_releases_held_pages(engines) -> None:
     prefill = engines[0]
     _prefill(prefill, "held", _prompt(19, seed=5))
