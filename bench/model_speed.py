@@ -118,14 +118,14 @@ def variant(name: str):
         yield
         return
     assert name == "torch_routing", name
-    from services.gpu_worker.kernels import moe_routing
+    from services.gpu_worker.kernels import fused_moe, moe_routing
 
-    saved = moe_routing.route_topk, moe_routing.SMALL_PAIRS
-    moe_routing.route_topk, moe_routing.SMALL_PAIRS = moe_routing.route_topk_ref, 0
+    saved = moe_routing.route_topk, fused_moe.SMALL_PAIRS
+    moe_routing.route_topk, fused_moe.SMALL_PAIRS = moe_routing.route_topk_ref, 0
     try:
         yield
     finally:
-        moe_routing.route_topk, moe_routing.SMALL_PAIRS = saved
+        moe_routing.route_topk, fused_moe.SMALL_PAIRS = saved
 
 
 def measure(preset: str, copy_tbs: float, jit: JitCompiles, max_num_seqs: int) -> dict:

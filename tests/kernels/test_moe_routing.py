@@ -30,7 +30,7 @@ def test_route_topk_equals_softmax_topk(num_tokens, num_experts, top_k, normaliz
 def test_align_small_equals_align_by_expert(num_tokens, num_experts, top_k, block_m, hit):
     gen = torch.Generator().manual_seed(num_tokens * 7 + top_k)
     ids = torch.stack([torch.randperm(hit or num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
-    got = mr.align_small(ids.to(DEVICE), num_experts, block_m)
+    got = fm.align_small(ids.to(DEVICE), num_experts, block_m)
     want = fm.align_by_expert(ids.to(DEVICE), num_experts, block_m)
     assert torch.equal(got.pair_ids, want.pair_ids)
     assert torch.equal(got.block_expert, want.block_expert)
@@ -42,11 +42,11 @@ def test_both_captured_in_a_cuda_graph():
     gen = torch.Generator().manual_seed(1)
     logits = randn((4, 128), gen, torch.bfloat16, DEVICE)
     ids, weights = mr.route_topk(logits, 8, True)
-    blocks = mr.align_small(ids, 128, 16)
+    blocks = fm.align_small(ids, 128, 16)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         ids, weights = mr.route_topk(logits, 8, True)
-        blocks = mr.align_small(ids, 128, 16)
+        blocks = fm.align_small(ids, 128, 16)
     logits.copy_(randn((4, 128), gen, torch.bfloat16, DEVICE))
     graph.replay()
     ref_ids, _ = mr.route_topk_ref(logits, 8, True)

@@ -12,7 +12,10 @@ the top-k combine, with no host sync (so it runs under CUDA graph capture).
                       blocks past the last expert's return at once.
     combine           [T·k, H] viewed as [T, k, H], summed over k (no atomics).
 
-Up to moe_routing.SMALL_PAIRS pairs (decode steps) the alignment is one kernel (moe_routing.align_small).
+    align_small       align_by_expert's result for T·k ≤ SMALL_PAIRS (decode steps) in one program instead of
+                      about a dozen torch ops: the per-expert counts, the padded offsets (a cumulative sum over E),
+                      each pair's rank among the earlier pairs of its expert (a T·k × T·k comparison) and the
+                      block → expert map.
 
 Weights in moe.py's layout: gate_up [E, 2I, H] (gate rows first), down [E, H, I].
 """
@@ -24,6 +27,9 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+
+SMALL_PAIRS = 256  # align_small's limit: its rank step compares every pair with every other one
 
 
 class ExpertBlocks(NamedTuple):
@@ -68,6 +74,49 @@ def align_by_expert(top_ids: torch.Tensor, num_experts: int, block_m: int) -> Ex
     pair_ids = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=dev).scatter_(0, dest, order.int())
     block_starts = torch.arange(0, max_padded, block_m, device=dev)
     block_expert = torch.searchsorted(padded_end, block_starts, right=True).int()  # experts ending at or before it
+    return ExpertBlocks(pair_ids, block_expert, block_m)
+
+
+@triton.jit
+def _align_small_kernel(ids_ptr, pair_ids_ptr, block_expert_ptr, num_pairs, num_experts, max_padded, num_blocks,
+                        BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+                        BLOCK_PAD: tl.constexpr, BLOCK_B: tl.constexpr):
+    p = tl.arange(0, BLOCK_P)
+    valid = p < num_pairs
+    e = tl.load(ids_ptr + p, mask=valid, other=0).to(tl.int32)
+    ex = tl.arange(0, BLOCK_E)
+    hit = (e[None, :] == ex[:, None]) & valid[None, :]  # [E, P]
+    counts = tl.sum(hit.to(tl.int32), axis=1)  # [E]
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, 0)  # [E]
+    padded_start = padded_end - padded
+    # each pair's place: its expert's first row plus the earlier pairs of the same expert (stable order)
+    same_before = (e[None, :] == e[:, None]) & (p[None, :] < p[:, None]) & valid[None, :]  # [P, P]
+    rank = tl.sum(same_before.to(tl.int32), axis=1)
+    start = tl.sum(tl.where(hit, padded_start[:, None], 0), axis=0)  # [P]: padded_start[e]
+    rows = tl.arange(0, BLOCK_PAD)
+    tl.store(pair_ids_ptr + rows, tl.full([BLOCK_PAD], 0, tl.int32) + num_pairs, mask=rows < max_padded)
+    tl.debug_barrier()  # the padding written before the pairs land on it
+    tl.store(pair_ids_ptr + start + rank, p, mask=valid)
+    # block b's expert: the experts (of those that exist) whose padded rows end at or before the block's first row
+    b = tl.arange(0, BLOCK_B)
+    ended = (padded_end[None, :] <= b[:, None] * BLOCK_M) & (ex[None, :] < num_experts)  # [B, E]
+    tl.store(block_expert_ptr + b, tl.sum(ended.to(tl.int32), axis=1), mask=b < num_blocks)
+
+
+def align_small(top_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
+    """fused_moe.align_by_expert in one launch, for top_ids [T, k] with T·k ≤ SMALL_PAIRS."""
+    num_pairs = top_ids.numel()
+    assert 0 < num_pairs <= SMALL_PAIRS
+    max_padded = max_padded_pairs(num_pairs, num_experts, block_m)
+    num_blocks = max_padded // block_m
+    pair_ids = torch.empty(max_padded, dtype=torch.int32, device=top_ids.device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=top_ids.device)
+    _align_small_kernel[(1,)](top_ids.contiguous(), pair_ids, block_expert, num_pairs, num_experts, max_padded,
+                              num_blocks, BLOCK_M=block_m, BLOCK_P=max(16, triton.next_power_of_2(num_pairs)),
+                              BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
+                              BLOCK_PAD=triton.next_power_of_2(max_padded),
+                              BLOCK_B=max(16, triton.next_power_of_2(num_blocks)), num_warps=8)
     return ExpertBlocks(pair_ids, block_expert, block_m)
 
 
@@ -135,10 +184,8 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_id
     num_pairs = num_tokens * k
     if num_pairs == 0:
         return torch.zeros_like(x)
-    from services.gpu_worker.kernels.moe_routing import SMALL_PAIRS, align_small  # it imports this module
-
     tile = tile or default_tile(num_pairs)
-    if num_pairs <= SMALL_PAIRS:  # decode batches: one launch (kernels/moe_routing.py)
+    if num_pairs <= SMALL_PAIRS:  # decode batches: one launch
         blocks = align_small(top_ids, gate_up.shape[0], tile.block_m)
     else:
         blocks = align_by_expert(top_ids, gate_up.shape[0], tile.block_m)

@@ -1,23 +1,12 @@
-"""The mixture-of-experts router and the expert sort of small batches, each one Triton launch (decode steps).
-
-    route_topk   router logits [T, E] → the top k experts of each token's softmax, renormalised to sum 1 when
-                 asked: one program per token instead of torch's softmax, topk and division (3-5 launches).
-    align_small  fused_moe.align_by_expert's result for T·k ≤ SMALL_PAIRS pairs in one program instead of about a
-                 dozen torch ops: the per-expert counts, the padded offsets (a cumulative sum over E), each pair's
-                 rank among the earlier pairs of its expert (a T·k × T·k comparison) and the block → expert map.
-
-At batch 1 a Qwen3-30B-A3B layer routes 8 pairs, so its MoE's GPU time is mostly launches: these two kernels
-replace ~15 of them in each of its 48 layers. Both have fixed output sizes and no host sync (CUDA graphs).
-"""
+"""The mixture-of-experts router in one Triton launch: router logits [T, E] → the top k experts of each token's
+softmax, renormalised to sum 1 when asked; one program per token instead of torch's softmax, topk and division
+(3-5 launches). With fused_moe.align_small it takes ~15 launches of tiny kernels out of each MoE layer of a decode
+step (at batch 1 a Qwen3-30B-A3B layer routes 8 pairs). Fixed output sizes, no host sync."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-
-from services.gpu_worker.kernels.fused_moe import ExpertBlocks, max_padded_pairs
-
-SMALL_PAIRS = 256  # align_small's limit: its rank step compares every pair with every other one
 
 
 @triton.jit
@@ -64,46 +53,3 @@ def route_topk_ref(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[t
     probs = torch.softmax(logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     return ids, weights / weights.sum(dim=-1, keepdim=True) if normalize else weights
-
-
-@triton.jit
-def _align_small_kernel(ids_ptr, pair_ids_ptr, block_expert_ptr, num_pairs, num_experts, max_padded, num_blocks,
-                        BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
-                        BLOCK_PAD: tl.constexpr, BLOCK_B: tl.constexpr):
-    p = tl.arange(0, BLOCK_P)
-    valid = p < num_pairs
-    e = tl.load(ids_ptr + p, mask=valid, other=0).to(tl.int32)
-    ex = tl.arange(0, BLOCK_E)
-    hit = (e[None, :] == ex[:, None]) & valid[None, :]  # [E, P]
-    counts = tl.sum(hit.to(tl.int32), axis=1)  # [E]
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    padded_end = tl.cumsum(padded, 0)  # [E]
-    padded_start = padded_end - padded
-    # each pair's place: its expert's first row plus the earlier pairs of the same expert (stable order)
-    same_before = (e[None, :] == e[:, None]) & (p[None, :] < p[:, None]) & valid[None, :]  # [P, P]
-    rank = tl.sum(same_before.to(tl.int32), axis=1)
-    start = tl.sum(tl.where(hit, padded_start[:, None], 0), axis=0)  # [P]: padded_start[e]
-    rows = tl.arange(0, BLOCK_PAD)
-    tl.store(pair_ids_ptr + rows, tl.full([BLOCK_PAD], 0, tl.int32) + num_pairs, mask=rows < max_padded)
-    tl.debug_barrier()  # the padding written before the pairs land on it
-    tl.store(pair_ids_ptr + start + rank, p, mask=valid)
-    # block b's expert: the experts (of those that exist) whose padded rows end at or before the block's first row
-    b = tl.arange(0, BLOCK_B)
-    ended = (padded_end[None, :] <= b[:, None] * BLOCK_M) & (ex[None, :] < num_experts)  # [B, E]
-    tl.store(block_expert_ptr + b, tl.sum(ended.to(tl.int32), axis=1), mask=b < num_blocks)
-
-
-def align_small(top_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
-    """fused_moe.align_by_expert in one launch, for top_ids [T, k] with T·k ≤ SMALL_PAIRS."""
-    num_pairs = top_ids.numel()
-    assert 0 < num_pairs <= SMALL_PAIRS
-    max_padded = max_padded_pairs(num_pairs, num_experts, block_m)
-    num_blocks = max_padded // block_m
-    pair_ids = torch.empty(max_padded, dtype=torch.int32, device=top_ids.device)
-    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=top_ids.device)
-    _align_small_kernel[(1,)](top_ids.contiguous(), pair_ids, block_expert, num_pairs, num_experts, max_padded,
-                              num_blocks, BLOCK_M=block_m, BLOCK_P=max(16, triton.next_power_of_2(num_pairs)),
-                              BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
-                              BLOCK_PAD=triton.next_power_of_2(max_padded),
-                              BLOCK_B=max(16, triton.next_power_of_2(num_blocks)), num_warps=8)
-    return ExpertBlocks(pair_ids, block_expert, block_m)
