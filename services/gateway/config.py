@@ -41,10 +41,12 @@ class GatewayConfig:
     tokenizer_silent_s: float = field(default=30.0, metadata=_help(
         "forget a tokenizer that has not answered a ping this long: its requests are lost unless another holds them "
         "(a restarted tokenizer is known at once by its new incarnation)"))
-    tool_call_parser: str = field(default="auto", metadata=_help(
+    tool_call_parser: str = field(default="auto", metadata={**_help(
         "how chat outputs become tool_calls: hermes (<tool_call>{...}</tool_call>: Hermes, Qwen, the fallback "
-        "prompt), llama3_json ({\"name\": ..., \"parameters\": ...}: Llama 3.x) or auto (both); tool_choice required "
-        "or a named function is enforced with a grammar of this format"))
+        "prompt), llama3_json ({\"name\": ..., \"parameters\": ...}: Llama 3.x), mistral ([TOOL_CALLS] and a "
+        "JSON array of {\"name\": ..., \"arguments\": ...}: Mistral, Mixtral, Mistral Nemo) or auto (all three, told "
+        "apart by the output); tool_choice required or a named function is enforced with a grammar of this format"),
+        "choices": TOOL_CALL_PARSERS})
     log_level: str = field(default="info", metadata=_help("debug, info, warning or error"))
 
     def __post_init__(self) -> None:

@@ -3,8 +3,13 @@ calls name an offered function and whose arguments follow that function's parame
 
     hermes:       <tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>   (then "\\n" and more calls)
     llama3_json:  {"name": "f", "parameters": {...}}                                (then "; " and more calls)
+    mistral:      [{"name": "f", "arguments": {...}}]                              (more calls after ", " inside)
     (at most MAX_PARALLEL_CALLS calls)
-    auto:         either of the two
+    auto:         any of the three
+
+Mistral's array comes without its `[TOOL_CALLS]` (optionally after one space, as the model writes it after the
+marker): the marker is a special token whose id differs between tokenizers and which the default
+skip_special_tokens decodes to nothing, and the parser reads an output that starts with the array as its calls.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ MAX_PARALLEL_CALLS = 4
 
 def tool_call_constraint(tools: list[ToolFunction], parser: str, is_parallel: bool = True) -> OutputConstraint:
     """The grammar of one or more calls to these tools (up to MAX_PARALLEL_CALLS; one alone unless is_parallel:
-    parallel_tool_calls false), in the parser's format (`auto`: hermes or llama3_json)."""
+    parallel_tool_calls false), in the parser's format (`auto`: hermes, llama3_json or mistral)."""
     rules = []
     repeat = f"~0..{MAX_PARALLEL_CALLS - 1}"
     if parser in ("hermes", "auto"):
@@ -35,7 +40,11 @@ def tool_call_constraint(tools: list[ToolFunction], parser: str, is_parallel: bo
         more = f' ("; " llama_body){repeat}' if is_parallel else ""
         rules.append(f'llama: llama_body{more}\n'
                      f"llama_body: %json {json.dumps(calls_schema(tools, 'parameters'))}\n")
-    start = {"hermes": "hermes", "llama3_json": "llama"}.get(parser, "hermes | llama")
+    if parser in ("mistral", "auto"):
+        more = f' (", " mistral_body){repeat}' if is_parallel else ""
+        rules.append(f'mistral: " "? "[" mistral_body{more} "]"\n'
+                     f"mistral_body: %json {json.dumps(calls_schema(tools, 'arguments'))}\n")
+    start = {"hermes": "hermes", "llama3_json": "llama", "mistral": "mistral"}.get(parser, "hermes | llama | mistral")
     return OutputConstraint(ConstraintKind.LARK, f"start: {start}\n" + "".join(rules))
 
 

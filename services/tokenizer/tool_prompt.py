@@ -4,12 +4,20 @@
 The fallback (Hermes/Qwen style, as the gateway's `hermes` parser reads it): a system prompt that lists the tools
 as JSON in `<tools></tools>` and asks for each call as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`;
 an assistant's earlier calls are written the same way after its content, and a `tool` message becomes a user
-message `<tool_response>…</tool_response>`. Everything then travels as message content, so the special-token
-guard of chat_prompt applies to it as to any content.
+message `<tool_response>…</tool_response>` (consecutive ones one message, as Qwen's template groups them, so a
+template that wants user and assistant turns to alternate, such as Mixtral's, still renders). Everything then
+travels as message content, so the special-token guard of chat_prompt applies to it as to any content.
+
+Mistral's templates (7B v0.3, Mixtral 8x22B, Nemo: tools rendered as `[AVAILABLE_TOOLS]`, calls as `[TOOL_CALLS]`)
+refuse a call id that is not 9 letters and digits, and OpenAI's ids (`call_…`) are longer: for them each id is
+rewritten to 9 alphanumerics derived from it, the same in a call and in its result, so a history keeps its pairs.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import re
+from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
@@ -24,6 +32,9 @@ FALLBACK_FORMAT = ("For each function call, answer with a JSON object holding th
                    "within <tool_call></tool_call> tags:\n<tool_call>\n{\"name\": <function-name>, "
                    "\"arguments\": <args-json-object>}\n</tool_call>")
 FALLBACK_REQUIRED = "You must answer with at least one function call."
+MISTRAL_CALLS_TOKEN = "[TOOL_CALLS]"
+_MISTRAL_ID = re.compile(r"[A-Za-z0-9]{9}")
+_ALPHANUMERICS = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 _PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool_7f3a", "description": "",
                                                 "parameters": {"type": "object", "properties": {}}}}
 
@@ -36,8 +47,9 @@ def template_inputs(tokenizer: Tokenizer, messages: list[ChatMessage], tools: li
     if not tools and not has_tool_parts:
         return [{"role": m.role, "content": m.content} for m in messages], None
     if supports_tools(tokenizer):
-        return [_native_message(m) for m in messages], [openai_tool(t) for t in tools] or None
-    dicts = [_fallback_message(m) for m in messages]
+        call_id = mistral_call_id if has_mistral_call_ids(tokenizer) else str
+        return [_native_message(m, call_id) for m in messages], [openai_tool(t) for t in tools] or None
+    dicts = _fallback_messages(messages)
     if tools:
         dicts = _with_system_prompt(dicts, fallback_system_prompt(tools, is_call_required))
     return dicts, None
@@ -54,6 +66,24 @@ def supports_tools(tokenizer: Tokenizer) -> bool:
     except (jinja2.TemplateError, ValueError, TypeError):
         return False
     return with_tool != without
+
+
+def has_mistral_call_ids(tokenizer: Tokenizer) -> bool:
+    """Whether the chat template is one of Mistral's (it writes calls after [TOOL_CALLS]): its call ids are 9
+    alphanumerics."""
+    return MISTRAL_CALLS_TOKEN in str(tokenizer.chat_template or "")
+
+
+def mistral_call_id(call_id: str) -> str:
+    """call_id as Mistral's templates take it: itself when it is 9 alphanumerics, else 9 derived from its hash."""
+    if _MISTRAL_ID.fullmatch(call_id):
+        return call_id
+    number = int.from_bytes(hashlib.sha256(call_id.encode()).digest()[:8], "big")
+    digits = []
+    for _ in range(9):
+        number, digit = divmod(number, len(_ALPHANUMERICS))
+        digits.append(_ALPHANUMERICS[digit])
+    return "".join(digits)
 
 
 def fallback_system_prompt(tools: list[ToolFunction], is_call_required: bool) -> str:
@@ -77,14 +107,26 @@ def outside_content_text(messages: list[dict[str, Any]], tools: list[dict[str, A
     return json.dumps([tools, calls, ids], ensure_ascii=False)
 
 
-def _native_message(message: ChatMessage) -> dict[str, Any]:
+def _native_message(message: ChatMessage, call_id: Callable[[str], str] = str) -> dict[str, Any]:
     out: dict[str, Any] = {"role": message.role, "content": message.content}
     if message.tool_calls:
-        out["tool_calls"] = [{"id": c.id, "type": "function",
+        out["tool_calls"] = [{"id": call_id(c.id), "type": "function",
                               "function": {"name": c.name, "arguments": _arguments(c)}} for c in message.tool_calls]
     if message.role == "tool":
-        out["tool_call_id"] = message.tool_call_id
+        out["tool_call_id"] = call_id(message.tool_call_id)
     return out
+
+
+def _fallback_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """The messages in plain roles; a run of tool results is one user message."""
+    dicts: list[dict[str, str]] = []
+    for i, message in enumerate(messages):
+        out = _fallback_message(message)
+        if message.role == "tool" and i and messages[i - 1].role == "tool":
+            dicts[-1] = {"role": "user", "content": dicts[-1]["content"] + "\n" + out["content"]}
+        else:
+            dicts.append(out)
+    return dicts
 
 
 def _fallback_message(message: ChatMessage) -> dict[str, str]:

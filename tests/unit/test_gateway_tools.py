@@ -19,6 +19,8 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
                                                            "required": ["city"]}, "strict": True}}
 TIME = {"type": "function", "function": {"name": "get_time"}}
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+MISTRAL_CALLS = ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                 '{"name": "get_weather", "arguments": {"city": "Oslo"}}]')
 
 
 def chat(**body: Any):
@@ -106,8 +108,9 @@ def test_required_without_a_call_is_a_422() -> None:
     assert "get_weather" in exc.message and "I'd rather chat." in exc.message
 
 
-def _stream(pieces: list[str], policy: ToolPolicy = POLICY, has_logprobs: bool = False) -> list[dict]:
-    stream = ToolCallStream(policy, 1)
+def _stream(pieces: list[str], policy: ToolPolicy = POLICY, has_logprobs: bool = False,
+            parser: str = "auto") -> list[dict]:
+    stream = ToolCallStream(policy, 1, parser)
     bodies = []
     for k, piece in enumerate(pieces):
         logprobs = [TokenLogprobEntry(k, -0.5, [])] if has_logprobs else None
@@ -116,23 +119,24 @@ def _stream(pieces: list[str], policy: ToolPolicy = POLICY, has_logprobs: bool =
     return bodies
 
 
+def _check_call_deltas(calls: list[dict], arguments: list[str]) -> None:
+    """calls are get_weather's, streamed as OpenAI streams them: per call a delta with its index, a distinct call_
+    id, the type and the name, then one with its arguments."""
+    ids = [delta["tool_calls"][0]["id"] for delta in calls[::2]]
+    assert all(i.startswith("call_") for i in ids) and len(set(ids)) == len(arguments)
+    assert calls == [delta for k, (call_id, args) in enumerate(zip(ids, arguments)) for delta in (
+        {"tool_calls": [{"index": k, "id": call_id, "type": "function",
+                         "function": {"name": "get_weather", "arguments": ""}}]},
+        {"tool_calls": [{"index": k, "function": {"arguments": args}}]})]
+
+
 def test_stream_sends_content_then_the_call_as_openai_does() -> None:
     text = f"Checking.\n{CALL}\n{CALL}"
     pieces = [text[i:i + 7] for i in range(0, len(text), 7)]
     deltas = [(b["choices"][0]["delta"], b["choices"][0]["finish_reason"]) for b in _stream(pieces)]
     assert "".join(d.get("content", "") for d, _ in deltas) == "Checking."
     assert [list(d) for d, _ in deltas[:2]] == [["content"], ["content"]]  # content streams before the calls
-    calls = [d for d, _ in deltas if "tool_calls" in d]
-    assert len(calls) == 4
-    first_id, second_id = calls[0]["tool_calls"][0]["id"], calls[2]["tool_calls"][0]["id"]
-    assert first_id != second_id
-    assert calls == [
-        {"tool_calls": [{"index": 0, "id": first_id, "type": "function",
-                         "function": {"name": "get_weather", "arguments": ""}}]},
-        {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": "Paris"}'}}]},
-        {"tool_calls": [{"index": 1, "id": second_id, "type": "function",
-                         "function": {"name": "get_weather", "arguments": ""}}]},
-        {"tool_calls": [{"index": 1, "function": {"arguments": '{"city": "Paris"}'}}]}]
+    _check_call_deltas([d for d, _ in deltas if "tool_calls" in d], ['{"city": "Paris"}', '{"city": "Paris"}'])
     assert deltas[-1][1] == "tool_calls" and [f for _, f in deltas[:-1]] == [None] * (len(deltas) - 1)
     assert not any("<tool" in d.get("content", "") for d, _ in deltas)
 
@@ -159,3 +163,26 @@ def test_streamed_and_whole_agree() -> None:
     assert content == whole["message"]["content"]
     assert arguments == [c["function"]["arguments"] for c in whole["message"]["tool_calls"]]
     assert json.loads(arguments[0]) == {"city": "Paris"}
+
+
+@pytest.mark.parametrize("parser", ["mistral", "auto"])
+def test_mistral_calls_stream_as_openai_does_and_agree_with_the_whole_response(parser: str) -> None:
+    text = f"Checking.\n{MISTRAL_CALLS}"
+    deltas = [(b["choices"][0]["delta"], b["choices"][0]["finish_reason"])
+              for b in _stream([text[i:i + 5] for i in range(0, len(text), 5)], parser=parser)]
+    assert "".join(d.get("content", "") for d, _ in deltas) == "Checking."
+    _check_call_deltas([d for d, _ in deltas if "tool_calls" in d], ['{"city": "Paris"}', '{"city": "Oslo"}'])
+    assert deltas[-1][1] == "tool_calls"
+    assert not any("[TOOL" in d.get("content", "") for d, _ in deltas)
+    message = chat_response("r", MODEL, 7, _output([text]), False, POLICY, parser)["choices"][0]["message"]
+    assert message["content"] == "Checking."
+    assert [c["function"]["arguments"] for c in message["tool_calls"]] == ['{"city": "Paris"}', '{"city": "Oslo"}']
+
+
+def test_required_with_a_mistral_array_holding_a_bad_call_is_an_error_and_content_stays() -> None:
+    required = ToolPolicy(frozenset({"get_weather"}), True)
+    bad = MISTRAL_CALLS.replace('"Oslo"}}', '"Oslo"}}, {"name": "launch_rockets", "arguments": {}}')
+    with pytest.raises(ApiError, match="holds no valid tool call"):
+        _stream([bad[:40], bad[40:]], required, parser="mistral")
+    body = chat_response("r", MODEL, 7, _output([bad]), False, POLICY, "mistral")["choices"][0]
+    assert (body["message"]["content"], body["message"].get("tool_calls"), body["finish_reason"]) == (bad, None, "stop")

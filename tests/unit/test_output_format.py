@@ -7,12 +7,13 @@ import functools
 import json
 from typing import Any
 
+import llguidance
 import pytest
 from llguidance import LLMatcher
 
 from services.gateway.errors import ApiError
 from services.gateway.protocol import parse_chat_request, parse_completion_request
-from services.gateway.tool_grammar import tool_call_constraint
+from services.gateway.tool_grammar import MAX_PARALLEL_CALLS, tool_call_constraint
 from services.tokenizer.model_files import load_bundled_tokenizer
 from shared.messages import ToolFunction
 from shared.output_constraint import ConstraintKind, OutputConstraint, grammar_text
@@ -132,6 +133,39 @@ def test_auto_parser_grammar_takes_either_format() -> None:
 
     assert _matches(constraint, '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
     assert _matches(constraint, '{"name": "get_time", "parameters": {}}; {"name": "get_time", "parameters": {}}')
+
+
+def test_mistral_grammar_is_the_array_of_calls_up_to_the_parallel_bound() -> None:
+    tools = [ToolFunction("get_time", "", ""),
+             ToolFunction("get_weather", "", json.dumps(WEATHER["function"]["parameters"]))]
+    constraint = tool_call_constraint(tools, "mistral")
+    single = tool_call_constraint(tools, "mistral", is_parallel=False)
+    time = '{"name": "get_time", "arguments": {}}'
+
+    for grammar in (constraint, single):
+        assert LLMatcher.validate_grammar(llguidance.grammar_from("lark", grammar_text(grammar))) == ""
+        assert _matches(grammar, f"[{time}]")
+        assert _matches(grammar, f" [{time}]")  # the model's space after [TOOL_CALLS]
+        assert not _matches(grammar, time)  # no array
+        assert not _matches(grammar, f"[{time}] and more")
+        assert not _matches(grammar, '[{"name": "get_time", "arguments": {}]')  # malformed JSON
+        assert not _matches(grammar, '[{"name": "send_mail", "arguments": {}}]')
+        assert not _matches(grammar, '[{"name": "get_weather", "arguments": {"town": "Paris"}}]')
+        assert not _matches(grammar, "[TOOL_CALLS]" + f"[{time}]")
+        assert not _matches(grammar, f"<tool_call>\n{time}\n</tool_call>")  # another parser's format
+    two = f'[{time}, {{"name": "get_weather", "arguments": {{"city": "Paris"}}}}]'
+    assert _matches(constraint, two) and not _matches(single, two)
+    assert _matches(constraint, "[" + ", ".join([time] * MAX_PARALLEL_CALLS) + "]")
+    assert not _matches(constraint, "[" + ", ".join([time] * (MAX_PARALLEL_CALLS + 1)) + "]")
+    assert _matches(constraint_of(tools=[WEATHER, CLOCK], tool_choice={"type": "function", "function": {
+        "name": "get_time"}}, parser="mistral"), f"[{time}]")
+
+
+def test_auto_parser_grammar_takes_mistral_arrays_too() -> None:
+    constraint = tool_call_constraint([ToolFunction("get_time", "", "")], "auto")
+
+    assert _matches(constraint, '[{"name": "get_time", "arguments": {}}, {"name": "get_time", "arguments": {}}]')
+    assert not _matches(constraint, '[{"name": "get_time", "parameters": {}}]')
 
 
 def test_tool_arguments_have_no_properties_the_tool_does_not_describe() -> None:

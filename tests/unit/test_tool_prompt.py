@@ -8,7 +8,7 @@ import pytest
 
 from services.tokenizer.chat_prompt import chat_prompt_ids
 from services.tokenizer.model_files import load_tokenizer
-from services.tokenizer.tool_prompt import supports_tools, template_inputs
+from services.tokenizer.tool_prompt import mistral_call_id, supports_tools, template_inputs
 from shared.messages import ChatMessage, ChatToolCall, ToolFunction
 
 pytestmark = pytest.mark.slow
@@ -27,6 +27,25 @@ TOOL_TEMPLATE = (
     "{% endfor %}{% if m.tool_call_id %}[FOR {{ m.tool_call_id }}]{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
+# NOTE: the shape of Mistral 7B v0.3's template, cut down: tools before the user turn, calls after [TOOL_CALLS], and
+# call ids refused unless 9 characters long
+_NINE = ("{% if ID|length != 9 %}{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') "
+         "}}{% endif %}")
+MISTRAL_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'user' %}"
+    "{% if tools and loop.first %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "[INST]{{ m.content }}[/INST]"
+    "{% elif m.tool_calls %}[TOOL_CALLS]{% for c in m.tool_calls %}" + _NINE.replace("ID", "c.id")
+    + "{{ c.function.name }}:{{ c.id }};{% endfor %}</s>"
+    "{% elif m.role == 'tool' %}" + _NINE.replace("ID", "m.tool_call_id")
+    + "[TOOL_RESULTS]{{ m.content }} for {{ m.tool_call_id }}[/TOOL_RESULTS]"
+    "{% else %}{{ m.content }}</s>{% endif %}{% endfor %}")
+# NOTE: Mixtral 8x7B's template without tools: roles after the optional system message must alternate
+ALTERNATING_TEMPLATE = (
+    "{% set turns = messages[1:] if messages[0].role == 'system' else messages %}{% for m in turns %}"
+    "{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('roles must alternate') }}{% endif %}"
+    "{% if m.role == 'user' %}[INST] {{ m.content }} [/INST]{% else %}{{ m.content }}</s>{% endif %}{% endfor %}")
+
 
 @pytest.fixture(scope="module")
 def tok():
@@ -37,6 +56,20 @@ def tok():
 def tool_tok():
     tokenizer = load_tokenizer("bundled")
     tokenizer.chat_template = TOOL_TEMPLATE
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def mistral_tok():
+    tokenizer = load_tokenizer("bundled")
+    tokenizer.chat_template = MISTRAL_TEMPLATE
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def alternating_tok():
+    tokenizer = load_tokenizer("bundled")
+    tokenizer.chat_template = ALTERNATING_TEMPLATE
     return tokenizer
 
 
@@ -98,3 +131,26 @@ def test_special_tokens_outside_contents_are_refused_by_a_native_template(tool_t
     trusted = chat_prompt_ids(tool_tok, dicts, True, tools)  # a trusted deployment renders what the template does
     assert trusted == list(tool_tok.apply_chat_template(dicts, tools=tools, add_generation_prompt=True, tokenize=True,
                                                         return_dict=False))
+
+
+def test_a_mistral_template_gets_nine_character_call_ids_the_same_in_calls_and_results(mistral_tok) -> None:
+    short = mistral_call_id("call_1")
+    assert len(short) == 9 and short.isalnum() and short == mistral_call_id("call_1") != mistral_call_id("call_2")
+    assert mistral_call_id("a1B2c3D4e") == "a1B2c3D4e"  # already one of Mistral's
+    rendered = _render(mistral_tok, HISTORY, [WEATHER])
+    assert rendered.startswith('[AVAILABLE_TOOLS][{"type": "function", "function": {"name": "get_weather"')
+    assert rendered.endswith(f"[INST]Weather in Paris?[/INST][TOOL_CALLS]get_weather:{short};</s>"
+                             f'[TOOL_RESULTS]{{"temp": 21}} for {short}[/TOOL_RESULTS]')
+
+
+def test_fallback_tool_results_in_a_row_are_one_user_turn(tok, alternating_tok) -> None:
+    calls = [ChatToolCall("call_1", "get_weather", '{"city": "Paris"}'),
+             ChatToolCall("call_2", "get_weather", '{"city": "Oslo"}')]
+    history = [ChatMessage("user", "Paris and Oslo?"), ChatMessage("assistant", "", calls),
+               ChatMessage("tool", "21", tool_call_id="call_1"), ChatMessage("tool", "12", tool_call_id="call_2")]
+    dicts, tools = template_inputs(tok, history, [WEATHER])
+    assert tools is None and [d["role"] for d in dicts] == ["system", "user", "assistant", "user"]
+    assert dicts[-1]["content"] == "<tool_response>\n21\n</tool_response>\n<tool_response>\n12\n</tool_response>"
+    rendered = _render(alternating_tok, history, [WEATHER])  # no "roles must alternate"
+    assert rendered.endswith("[INST] <tool_response>\n21\n</tool_response>\n<tool_response>\n12\n"
+                             "</tool_response> [/INST]")
