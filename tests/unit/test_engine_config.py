@@ -52,3 +52,31 @@ def test_admission_in_batches_is_on_where_decode_steps_replay_cuda_graphs() -> N
     assert EngineConfig(min_admit_batch=4).resolved_min_admit_batch(has_cuda_graphs=False) == 4
     with pytest.raises(ValueError):
         EngineConfig(max_admit_delay_steps=-1)
+
+
+def test_the_checkpoint_copy_is_freed_before_the_pool_is_sized(monkeypatch) -> None:
+    """An engine that loads its own weights drops the loader's copy once they are in the model, before it sizes the
+    KV pool from free memory (with it alive, the pool lost a whole second copy of the weights); a caller's
+    LoadedModel is left as it was."""
+    from services.gpu_worker import engine as engine_module
+    from services.gpu_worker.model.loader import load_model
+
+    loads, entries_at_sizing = [], []
+    real_num_pages = EngineConfig.resolved_num_pages
+
+    def loading(*args, **kwargs):
+        loads.append(load_model(*args, **kwargs))
+        return loads[-1]
+
+    def sizing(self, *args, **kwargs):
+        entries_at_sizing.append(sum(len(loaded.state_dict) for loaded in loads))
+        return real_num_pages(self, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "load_model", loading)
+    monkeypatch.setattr(EngineConfig, "resolved_num_pages", sizing)
+    config = EngineConfig(model="random:tiny-llama", device="cpu", num_pages=32)
+    engine_module.Engine(config)
+    assert len(loads) == 1 and entries_at_sizing == [0]
+    given = load_model("random:tiny-llama")
+    engine_module.Engine(config, loaded=given)
+    assert given.state_dict  # not the engine's to clear
