@@ -1,6 +1,7 @@
 """The batched sampler: logit bias, penalties, temperature, top-k/top-p/min-p and seeded draws over one step's logits."""
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -237,8 +238,12 @@ class SampledBatch:
                 logprobs: list[TokenLogprob | None] = [None] * len(token_list)
             else:
                 chosen, top_vals, top_ids = (t.tolist() for t in self._host[1:])
+                # alternatives a structured-output mask ruled out (logprob -inf) are left out: they cannot be
+                # sampled, and JSON has no -inf (an encoder writes null where clients expect a number)
                 logprobs = [None if k is None else
-                            TokenLogprob(token_list[i], chosen[i], list(zip(top_ids[i][:k], top_vals[i][:k])))
+                            TokenLogprob(token_list[i], chosen[i], [(tid, val) for tid, val in
+                                                                    zip(top_ids[i][:k], top_vals[i][:k])
+                                                                    if val != -math.inf])
                             for i, k in enumerate(self._wanted)]
             self._resolved = token_list, logprobs
         return self._resolved

@@ -131,3 +131,16 @@ def test_the_bitmask_allows_exactly_its_bits() -> None:
     assert masked[0].isfinite().nonzero().flatten().tolist() == [0, 31]
     assert masked[1].isfinite().all()
     assert masked[2].isfinite().nonzero().flatten().tolist() == [69]
+
+
+def test_top_logprobs_leave_out_what_the_grammar_rules_out() -> None:
+    """Where the grammar allows fewer tokens than the alternatives asked for, the rest had logprob -inf: they are left
+    out (JSON has no -inf; an encoder writes null where clients expect a number)."""
+    params = SamplingParams(max_tokens=20, temperature=0.0, logprobs=5, output_constraint=CHOICE)
+
+    sample = _engine().generate(PROMPTS[:1], params)[0].samples[0]
+
+    tops = [lp.top for lp in sample.logprobs]
+    assert all(val > -float("inf") for top in tops for _, val in top)
+    assert any(len(top) < 5 for top in tops)  # a forced step ("yes" / "no" / "maybe so" share few prefixes)
+    assert all(any(tid == lp.token_id for tid, _ in lp.top) for lp in sample.logprobs)  # the chosen one kept
