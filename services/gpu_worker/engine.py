@@ -1,4 +1,6 @@
-"""The engine: a model, its paged KV cache, the prefix cache and the batching loop behind one step() call.
+"""The engine: the requests' lifecycle behind one step() call — admission and batching (batch_policy.py), the prefix
+cache, sampling, stop checks, n > 1 forks, PD holds and imports — over a ModelRunner (model_runner.py: the model,
+its paged KV cache, attention backend, CUDA graphs and forward pass).
 
 Used offline (`Engine.generate`) by tests and benchmarks, and wrapped by the gpu_worker service.
 """
@@ -7,34 +9,26 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import msgspec
 import torch
 
-from services.gpu_worker.attention import AttentionMetadata, make_backend
 from services.gpu_worker.batch_policy import BatchPolicy, StepPlan
 from services.gpu_worker.block_pool import BlockPool
 from services.gpu_worker.engine_config import EngineConfig
 from services.gpu_worker.engine_metrics import EngineMetricsRecorder
-from services.gpu_worker.kv_cache import KVCache, select_pages
-from services.gpu_worker.model.loader import LoadedModel, load_model
-from services.gpu_worker.model.registry import architecture_for_type
-from services.gpu_worker.prompt_logprobs import (PromptLogprobBatch, PromptLogprobs, PromptSpan, prompt_logprob_tensors,
-                                                 slice_rows)
+from services.gpu_worker.model.loader import LoadedModel
+from services.gpu_worker.model_runner import ModelRunner
+from services.gpu_worker.prompt_logprobs import PromptLogprobBatch, PromptLogprobs
 from services.gpu_worker.radix_cache import RadixCache
 from services.gpu_worker.request import FinishReason, SamplingParams, TokenLogprob, TokenOutput
 from services.gpu_worker.sampler import SampledBatch, Sampler, SamplingRow, make_generator, needs_history
-from services.gpu_worker.sequence import Sequence, SeqStatus
+from services.gpu_worker.sequence import SeqStatus, Sequence
 from services.gpu_worker.staging import to_device
 from services.gpu_worker.structured_output import StructuredOutput
 from shared.sampling import check_logit_bias_ids, context_length_error
 
-if TYPE_CHECKING:
-    from services.gpu_worker.parallel.state import TensorParallelGroup
-
 PENDING_TOKEN = -1  # placeholder in token_ids for a token sampled on the device, not yet read by the host
-TABLE_WIDTH_MULTIPLE = 16  # an eager step's page table is this many pages wide, or a multiple (Triton's specialization)
 
 
 @dataclass
@@ -110,54 +104,24 @@ class EngineStats:
 class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
-        self.device = torch.device(config.resolved_device())
-        self.tp = self._join_tensor_parallel(config)  # None unless tensor_parallel_size > 1
-        dtype = config.resolved_dtype()
-        owns_weights = loaded is None
-        loaded = loaded or load_model(config.model, dtype=dtype, device=self.device, seed=config.seed)
-        self.model_config = loaded.config
-        self.tokenizer = loaded.tokenizer
-        model_class = architecture_for_type(loaded.config.arch).model_class  # model/registry.py
-        self.model = model_class(loaded.config, self.tp).to(device=self.device, dtype=dtype)
-        self.model.load_weights(loaded.state_dict)  # under TP: this rank's slices of the full weights
-        if owns_weights:  # the loader's copy goes before the KV pool is sized from free memory (alive, it took a
-            loaded.state_dict.clear()  # second copy of the weights out of the pool: 16 GB for Llama-3.1-8B in bf16)
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-        self.model.inv_freq = self.model.inv_freq.float()
-        self.model.eval()
-        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
-                                 loaded.config.max_position_embeddings)
-        kv_dtype = config.resolved_kv_dtype()
-        self.num_pages = config.resolved_num_pages(loaded.config, kv_dtype, self.device)
-        if self.tp is not None:
-            self.num_pages = self.tp.min_over_ranks(self.num_pages)  # every rank must plan with the same pool
-        # A sequence, even running alone, never holds more tokens than the whole pool's slots.
-        self.max_seq_len = min(self.max_model_len, (self.num_pages - 1) * config.page_size)
-        self.kv = KVCache(loaded.config.num_layers, self.num_pages, config.page_size,
-                          loaded.config.num_kv_heads // config.tensor_parallel_size, loaded.config.head_dim,
-                          kv_dtype, self.device)
+        self.runner = ModelRunner(config, loaded)  # the model, its KV pool, backend and CUDA graphs
         self.pool = BlockPool(self.num_pages)
         cache_cls = RadixCache
         if self.tp is not None:
-            from services.gpu_worker.parallel.lockstep_cache import LockstepRadixCache  # rank 0's clock
+            from services.gpu_worker.parallel.lockstep_cache import (
+                LockstepRadixCache,  # rank 0's clock
+            )
 
             cache_cls = LockstepRadixCache
-        self.cache = cache_cls(self.pool, config.page_size, loaded.config.model_id,
+        self.cache = cache_cls(self.pool, config.page_size, self.model_config.model_id,
                                is_enabled=config.enable_prefix_cache)
-        self.batching = config.resolved_batching(self.num_pages)
         self.policy = BatchPolicy(self.pool, self.cache, config.page_size, self.batching.max_num_batched_tokens,
                                   self.batching.max_num_seqs, config.enable_chunked_prefill)
-        self.backend = make_backend(config.attention_backend, self.device.type)
-        # positions and slots of eager steps: int32 for the Triton kernels, as in the CUDA graphs' buffers, so a mixed
-        # step's decodes reuse the graphs' compiles; torch's index_copy_ (the torch backend) takes int64 only
-        self._index_dtype = torch.int32 if self.backend.name == "triton" else torch.long
-        self.graphs = self._setup_cuda_path(config)
         self.policy.min_admit_batch = config.resolved_min_admit_batch(self.graphs is not None)
         self.policy.max_admit_delay_steps = config.max_admit_delay_steps
         self.sampler = Sampler()
-        self.eos_token_ids = frozenset(loaded.config.eos_token_ids)
-        self.structured = StructuredOutput(loaded.tokenizer, loaded.config.vocab_size, sorted(self.eos_token_ids),
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self.structured = StructuredOutput(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids),
                                            self.device)
         self._requests: dict[str, list[Sequence]] = {}
         self._held: dict[str, Sequence] = {}  # PD prefill side: prompt pages kept under a lease
@@ -170,32 +134,19 @@ class Engine:
         self._launched: LaunchedStep | None = None
         self.warmup_seconds = self.warm_up() if config.resolved_warmup(self.backend.name) else 0.0
 
-    def _join_tensor_parallel(self, config: EngineConfig) -> TensorParallelGroup | None:
-        """tensor_parallel_size > 1: this process's TP group (parallel/state.py), and its rank's device."""
-        if config.tensor_parallel_size == 1:
-            return None
-        from services.gpu_worker.parallel.state import current_group
-
-        tp = current_group(config.tensor_parallel_size)
-        self.device = tp.local_device(self.device)
-        return tp
-
-    def _setup_cuda_path(self, config: EngineConfig):
-        """With the Triton backend: fused kernels in the model, and decode CUDA graphs when enabled."""
-        gemv_max_tokens = config.resolved_gemv_max_tokens(self.backend.name)
-        if self.backend.name != "triton":
-            if gemv_max_tokens:
-                raise ValueError(f"gemv_max_tokens needs the Triton attention backend, not {self.backend.name}")
-            return None
-        self.model.enable_fused_kernels()
-        self.model.gemv_max_tokens = gemv_max_tokens
-        if not config.enable_cuda_graphs or self.device.type != "cuda":
-            return None
-        from services.gpu_worker.cuda_graphs import DecodeGraphs
-
-        graphs = DecodeGraphs(self.model, self.kv, self.backend, self.batching.max_num_seqs, self.max_seq_len)
-        graphs.capture()
-        return graphs
+    # The runner's parts, under the names the engine's callers use (the service, TP, benchmarks, tests)
+    model = property(lambda self: self.runner.model)
+    model_config = property(lambda self: self.runner.model_config)
+    tokenizer = property(lambda self: self.runner.tokenizer)
+    device = property(lambda self: self.runner.device)
+    tp = property(lambda self: self.runner.tp)
+    kv = property(lambda self: self.runner.kv)
+    backend = property(lambda self: self.runner.backend)
+    graphs = property(lambda self: self.runner.graphs)
+    batching = property(lambda self: self.runner.batching)
+    num_pages = property(lambda self: self.runner.num_pages)
+    max_model_len = property(lambda self: self.runner.max_model_len)
+    max_seq_len = property(lambda self: self.runner.max_seq_len)
 
     def warm_up(self) -> float:
         """Run a few steps of made-up requests so Triton compiles the eager path's kernels now rather than inside the
@@ -254,8 +205,7 @@ class Engine:
 
     def export_pages(self, page_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of these pages, each [num_layers, len(page_ids), page_size, num_kv_heads, head_dim]."""
-        index = torch.tensor(page_ids, dtype=torch.long, device=self.kv.k.device)
-        return select_pages(self.kv.k, index), select_pages(self.kv.v, index)
+        return self.runner.export_pages(page_ids)
 
     def import_request(self, request_id: str, prompt_token_ids: list[int], first_token: int,
                        params: SamplingParams, num_cached_tokens: int = 0) -> ImportPlan:
@@ -405,14 +355,6 @@ class Engine:
         assert self._launched is not None and self._launched.sample is not None, "a placeholder outlived its step"
         return self._launched.sample.tokens
 
-    def _feed_pending(self, pending: list[tuple[int, int]], ids: torch.Tensor) -> None:
-        """Write the previous step's device tokens into input ids. pending: (input index, row of the previous
-        step's sampled tokens) for each placeholder input."""
-        if pending:
-            tokens = self._previous_tokens()
-            index = to_device(pending, torch.long, tokens.device)  # [P, 2]
-            ids[index[:, 0]] = tokens[index[:, 1]].to(ids.dtype)
-
     def _launch(self, plan: StepPlan, now: float) -> LaunchedStep:
         """Queue the forward and the sampling of one step; placeholders stand for its tokens."""
         self._num_steps += 1
@@ -502,78 +444,9 @@ class Engine:
         return [first, *(dataclasses.replace(first, index=index) for index in range(1, seq.params.n))]
 
     def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor | None, PromptLogprobBatch | None]:
-        """Run the model over every scheduled chunk → logits of sampling chunks [B_s, V] fp32, their argmax [B_s]
-        when a decode graph computed it (else None), and the prompt logprobs the chunks give (eager steps only: a
-        replayed step is decodes and last prompt tokens, whose logits are no prompt token's)."""
-        if self.graphs is not None:
-            pending = [(i, item.seq.pending_row) for i, item in enumerate(plan.items) if item.seq.num_pending]
-            replayed = self.graphs.try_forward(plan.items, pending, self._previous_tokens() if pending else None)
-            if replayed is not None:
-                return *replayed, None
-        input_ids, positions, slots, query_start, seq_lens = [], [], [], [0], []
-        logit_rows = []
-        page_size = self.config.page_size
-        for item in plan.items:
-            seq, start = item.seq, item.seq.num_computed
-            end = start + item.num_new_tokens
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(seq.page_ids[p // page_size] * page_size + p % page_size for p in range(start, end))
-            query_start.append(query_start[-1] + item.num_new_tokens)
-            seq_lens.append(end)
-            if item.is_sampling and seq.params.max_tokens > 0:
-                logit_rows.append(query_start[-1] - 1)
-        # the table's width rounded up to 16 pages: its row stride, a kernel argument, then always divides by 16, and
-        # Triton compiles the kernels once instead of once more each time the widest sequence crosses a multiple
-        widest = max(len(item.seq.page_ids) for item in plan.items)
-        max_pages = -(-widest // TABLE_WIDTH_MULTIPLE) * TABLE_WIDTH_MULTIPLE
-        table = [item.seq.page_ids + [0] * (max_pages - len(item.seq.page_ids)) for item in plan.items]
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=to_device(slots, self._index_dtype, dev),
-            query_start=to_device(query_start, torch.int32, dev),
-            seq_lens=to_device(seq_lens, torch.int32, dev),
-            page_table=to_device(table, torch.int32, dev),
-            query_start_host=query_start, seq_lens_host=seq_lens,
-            max_query_len=max(item.num_new_tokens for item in plan.items), max_seq_len=max(seq_lens))
-        ids = to_device(input_ids, torch.long, dev)
-        pending = [(query_start[i + 1] - 1, item.seq.pending_row) for i, item in enumerate(plan.items)
-                   if item.seq.num_pending and seq_lens[i] == item.seq.num_tokens]
-        self._feed_pending(pending, ids)
-        hidden = self.model(ids, to_device(positions, self._index_dtype, dev), self.kv, meta, self.backend)
-        prompt = self._prompt_logprobs(plan, hidden, query_start)
-        if not logit_rows:
-            return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32), None, prompt
-        return self.model.logits(hidden[to_device(logit_rows, torch.long, dev)]), None, prompt
-
-    def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor,
-                         query_start: list[int]) -> PromptLogprobBatch | None:
-        """The prompt logprobs of every position this step computes that its sequence still needs.
-        hidden: [T, H], the rows of the plan's chunks in order (chunk i from query_start[i])."""
-        spans: list[PromptSpan] = []
-        rows, target_ids = [], []
-        for i, item in enumerate(plan.items):
-            wanted, start = item.seq.prompt_logprobs, item.seq.num_computed
-            if wanted is None or wanted.is_complete:
-                continue
-            for position in range(start, start + item.num_new_tokens):
-                if not wanted.needs(position):
-                    continue
-                last = spans[-1] if spans else None
-                if last is not None and last.target is wanted and last.first_position + last.num_positions == position:
-                    last.num_positions += 1
-                else:
-                    spans.append(PromptSpan(wanted, position, 1))
-                rows.append(query_start[i] + position - start)
-                target_ids.append(item.seq.token_ids[position + 1])
-        if not rows:
-            return None
-        dev = hidden.device
-        tensors = prompt_logprob_tensors(self.model.logits, hidden[to_device(rows, torch.long, dev)],
-                                         to_device(target_ids, torch.long, dev),
-                                         max(span.target.num_top for span in spans),
-                                         slice_rows(self.model_config.vocab_size))
-        return PromptLogprobBatch.launch(spans, target_ids, tensors)
+        """The step's forward on the runner (model_runner.py): sampling rows' logits, a graph's argmax, prompt
+        logprobs."""
+        return self.runner.forward(plan, self._previous_tokens)
 
     def _constrain(self, logits: torch.Tensor, seqs: list[Sequence], now: float) -> torch.Tensor:
         """Structured output: mask the constrained rows' logits [B, V] in place. A row's mask needs its sequence's

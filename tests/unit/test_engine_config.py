@@ -59,6 +59,7 @@ def test_the_checkpoint_copy_is_freed_before_the_pool_is_sized(monkeypatch) -> N
     KV pool from free memory (with it alive, the pool lost a whole second copy of the weights); a caller's
     LoadedModel is left as it was."""
     from services.gpu_worker import engine as engine_module
+    from services.gpu_worker import model_runner
     from services.gpu_worker.model.loader import load_model
 
     loads, entries_at_sizing = [], []
@@ -72,7 +73,7 @@ def test_the_checkpoint_copy_is_freed_before_the_pool_is_sized(monkeypatch) -> N
         entries_at_sizing.append(sum(len(loaded.state_dict) for loaded in loads))
         return real_num_pages(self, *args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "load_model", loading)
+    monkeypatch.setattr(model_runner, "load_model", loading)
     monkeypatch.setattr(EngineConfig, "resolved_num_pages", sizing)
     config = EngineConfig(model="random:tiny-llama", device="cpu", num_pages=32)
     engine_module.Engine(config)
