@@ -2,10 +2,11 @@
 
 On CUDA the experts run on kernels/fused_moe.py: the (token, expert) pairs sorted by expert on the device, a
 grouped Triton GEMM over the experts that were hit and the top-k combine, with no host sync, so the same path runs
-eagerly and under CUDA graph capture; the router's softmax and top-k there are one kernel (kernels/moe_routing.py). The torch path, the CPU's and the kernel's reference in the tests, groups the
-tokens by expert: the T·k (token, expert) pairs are sorted by expert, each expert that was hit runs one GEMM pair
-over its contiguous rows, and the weighted rows are summed back per token (index_add_). The loop is over experts,
-never over tokens; the group sizes are read on the host (one sync per layer).
+eagerly and under CUDA graph capture; the router's softmax and top-k there are one kernel (kernels/moe_routing.py).
+The torch path, the CPU's and the kernel's reference in the tests, groups the tokens by expert: the T·k (token,
+expert) pairs are sorted by expert, each expert that was hit runs one GEMM pair over its contiguous rows, and the
+weighted rows are summed back per token (index_add_). The loop is over experts, never over tokens; the group sizes
+are read on the host (one sync per layer).
 
 Parameter names follow transformers 5's fused layout, which `moe_families.py` builds from per-expert checkpoints:
 
