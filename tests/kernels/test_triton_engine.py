@@ -94,6 +94,32 @@ def test_gemma2_triton_engine_equals_torch_cpu_interpreter():
     assert _assert_same_greedy(ref, got, 1e-4) == 3 * 4
 
 
+def test_windowed_mistral_on_the_fused_forward_cpu_interpreter():
+    """Every layer windowed (Mistral 7B v0.1's config): the fused forward passes each layer's window to the Triton
+    kernels (decodes and chunks past it) and gives the torch backend's tokens."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter (CPU) only")
+    from services.gpu_worker.model.loader import config_from_hf, model_shapes
+
+    cfg = config_from_hf({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": 300,
+                          "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+                          "num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": 6}, "tiny-window")
+    gen = torch.Generator().manual_seed(4)
+    loaded = LoadedModel(cfg, {name: torch.randn(shape, generator=gen) * (0.3 if "norm" in name else
+                                                                         shape[-1] ** -0.5)
+                               for name, shape in model_shapes(cfg).items()}, None, None)
+    prompts = _prompts(cfg.vocab_size, 3, 14)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2)
+    runs = []
+    for backend in ("torch", "triton"):
+        config = EngineConfig(model="tiny-window", device=DEVICE, dtype="float32", num_pages=64, page_size=16,
+                              attention_backend=backend, max_num_batched_tokens=8)
+        runs.append([r.samples[0] for r in Engine(config, loaded=loaded).generate(prompts, params)])
+    ref, got = runs
+    assert [s.token_ids for s in got] == [s.token_ids for s in ref]
+    assert _assert_same_greedy(ref, got, 1e-4) == 3 * 4
+
+
 def _tiny_qwen3_moe(dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:
     """A two-layer Qwen3-MoE (q/k norms, 6 experts of which 2 routed and renormalised; layer 1 a dense MLP)."""
     from services.gpu_worker.model.loader import model_shapes

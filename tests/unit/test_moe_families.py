@@ -111,7 +111,8 @@ def test_config_mapping_defaults() -> None:
     assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.moe_intermediate_size) == (8, 2, 96)
     assert (mixtral.norm_topk_prob, mixtral.rope_theta, mixtral.num_kv_heads, mixtral.qk_norm) == (True, 1e6, 8, False)
     assert mixtral.max_position_embeddings == 131072 and mixtral.dense_mlp_layers == ()
-    assert config_from_hf({**MIXTRAL_MIN, "sliding_window": 4096}, "m").max_position_embeddings == 4096
+    windowed = config_from_hf({**MIXTRAL_MIN, "sliding_window": 4096}, "m")
+    assert (windowed.max_position_embeddings, windowed.sliding_window_layers) == (131072, (0, 1, 2, 3))
     qwen = config_from_hf({**MIXTRAL_MIN, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 16,
                            "decoder_sparse_step": 2, "mlp_only_layers": [3], "rope_theta": 1e6}, "m")
     assert (qwen.num_experts, qwen.num_experts_per_tok, qwen.moe_intermediate_size) == (16, 8, 768)

@@ -85,7 +85,8 @@ def test_config_mapping() -> None:
                                                     "num_attention_heads")}, "m")
     assert (defaults.num_kv_heads, defaults.max_position_embeddings, defaults.eos_token_ids) == (4, 4096, (32000,))
     windowed = config_from_hf({**base, "max_position_embeddings": 4096, "sliding_window": 2047}, "m")
-    assert windowed.max_position_embeddings == 2047  # no sliding-window attention yet: the context stops there
+    assert (windowed.max_position_embeddings, windowed.sliding_window) == (4096, 2047)  # every layer windowed
+    assert windowed.sliding_window_layers == tuple(range(TINY["num_hidden_layers"]))
     v5 = config_from_hf({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5,
                                                      "partial_rotary_factor": 1.0}}, "m")
     assert v5.rope_theta == 5e5

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.gpu_worker.attention.base import DEFAULT_ATTENTION, AttentionBackend, AttentionMetadata
+from services.gpu_worker.attention.base import DEFAULT_ATTENTION, AttentionBackend, AttentionMetadata, LayerAttention
 from services.gpu_worker.kv_cache import KVCache
 from services.gpu_worker.model.config import ModelConfig
 from services.gpu_worker.model.moe import SparseMoe
@@ -47,7 +47,9 @@ class Attention(nn.Module):
         self.num_heads = cfg.num_heads // tp_size  # this rank's query heads
         self.num_kv_heads = cfg.num_kv_heads // tp_size  # this rank's kv heads (its KV cache holds only these)
         self.head_dim = cfg.head_dim
-        self.spec = DEFAULT_ATTENTION  # the layer's scale, soft-cap and window (a family may set its own: gemma2.py)
+        # the layer's scale, soft-cap and window (a family may set its own: gemma2.py)
+        is_windowed = cfg.sliding_window is not None and layer in cfg.sliding_window_layers
+        self.spec = LayerAttention(sliding_window=cfg.sliding_window) if is_windowed else DEFAULT_ATTENTION
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * cfg.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * cfg.head_dim, bias=bias)

@@ -82,7 +82,26 @@ def config_from_hf(model_type: str, cfg_dict: dict, model_id: str) -> ModelConfi
     return dense_config(model_type, d, model_id, rope_theta=theta, rope_scaling=scaling,
                         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
                         attention_bias=model_type == "qwen2" or bool(d.get("attention_bias", False)),
-                        qk_norm=model_type == "qwen3")
+                        qk_norm=model_type == "qwen3", **sliding_window_fields(d))
+
+
+def sliding_window_fields(d: dict) -> dict[str, Any]:
+    """ModelConfig's sliding_window and sliding_window_layers from a config.json dict, as transformers reads them:
+    `layer_types` ("sliding_attention" entries) where given; else Qwen's use_sliding_window windows the layers from
+    max_window_layers on, and a plain `sliding_window` (Mistral 7B v0.1, Phi-3, Mixtral) every layer."""
+    window = d.get("sliding_window")
+    num_layers = int(d["num_hidden_layers"])
+    if "use_sliding_window" in d and not d["use_sliding_window"]:
+        window = None  # Qwen's key: its sliding_window is inert without it
+    if window is None:
+        return {}
+    if d.get("layer_types"):
+        layers = tuple(i for i, kind in enumerate(d["layer_types"]) if kind == "sliding_attention")
+    elif "use_sliding_window" in d:
+        layers = tuple(range(int(d.get("max_window_layers", num_layers)), num_layers))
+    else:
+        layers = tuple(range(num_layers))
+    return {"sliding_window": int(window), "sliding_window_layers": layers} if layers else {}
 
 
 def dense_config(arch: str, d: dict, model_id: str, **fields: Any) -> ModelConfig:
@@ -166,11 +185,15 @@ def config_to_hf(hf_name: str, cfg: ModelConfig) -> dict:
     if cfg.arch in ("qwen2", "qwen3"):
         d["use_sliding_window"] = False
     if cfg.arch == "mistral":
-        d["sliding_window"] = None
+        d["sliding_window"] = cfg.sliding_window if cfg.sliding_window_layers else None
     return d
 
 
 def _check_representable(cfg: ModelConfig) -> None:
+    if cfg.sliding_window_layers and (cfg.arch != "mistral"
+                                      or cfg.sliding_window_layers != tuple(range(cfg.num_layers))):
+        raise ValueError(f"{cfg.arch}: sliding-window layers {cfg.sliding_window_layers} are written for Mistral "
+                         f"(every layer) only")
     if cfg.qk_norm != (cfg.arch == "qwen3"):
         raise ValueError(f"{cfg.arch}: qk_norm={cfg.qk_norm} has no transformers equivalent")
     if cfg.arch == "qwen2" and not cfg.attention_bias:

@@ -22,7 +22,8 @@ import torch
 from services.gpu_worker.model.architecture import Architecture
 from services.gpu_worker.model.config import ModelConfig
 from services.gpu_worker.model.llama import LlamaForCausalLM
-from services.gpu_worker.model.llama_family import dense_config, hf_values, param_shapes, rope_from_hf
+from services.gpu_worker.model.llama_family import (dense_config, hf_values, param_shapes, rope_from_hf,
+                                                   sliding_window_fields)
 
 # transformers' MixtralConfig / Qwen3MoeConfig defaults, for keys a config.json may leave out.
 _DEFAULTS: dict[str, dict[str, Any]] = {
@@ -44,8 +45,7 @@ _EXPERT_NAMES = {
 def config_from_hf(model_type: str, cfg_dict: dict, model_id: str) -> ModelConfig:
     """A ModelConfig from a Mixtral or Qwen3-MoE config.json dict, with transformers' defaults for absent keys.
 
-    NOTE: sliding-window attention is not implemented yet, so a Mixtral `sliding_window` caps the context at the
-    window (up to that length the window masks nothing); a Qwen3-MoE with use_sliding_window is refused."""
+    A Mixtral `sliding_window` windows every layer; a Qwen3-MoE with use_sliding_window is refused."""
     d = hf_values(cfg_dict, _DEFAULTS[model_type])
     name = "Mixtral" if model_type == "mixtral" else "Qwen3-MoE"
     if d.get("hidden_act", "silu") != "silu":
@@ -56,11 +56,9 @@ def config_from_hf(model_type: str, cfg_dict: dict, model_id: str) -> ModelConfi
     num_experts = int(d.get("num_experts", d["num_local_experts"]))  # Qwen3-MoE's files spell either
     fields: dict[str, Any] = dict(rope_theta=theta, rope_scaling=scaling, rms_norm_eps=float(d["rms_norm_eps"]),
                                   num_experts=num_experts, num_experts_per_tok=int(d["num_experts_per_tok"]))
-    max_len = int(d["max_position_embeddings"])
     if model_type == "mixtral":
-        window = d.get("sliding_window")
         fields |= dict(moe_intermediate_size=int(d["intermediate_size"]), norm_topk_prob=True,
-                       max_position_embeddings=max_len if window is None else min(max_len, int(window)))
+                       **sliding_window_fields(d))
     else:
         if d.get("use_sliding_window"):
             raise ValueError("Qwen3-MoE: use_sliding_window=true is not supported")

@@ -10,7 +10,7 @@ import torch
 from services.gpu_worker.model.architecture import Architecture
 from services.gpu_worker.model.config import ModelConfig
 from services.gpu_worker.model.llama import LlamaForCausalLM
-from services.gpu_worker.model.llama_family import dense_config, hf_values, param_shapes
+from services.gpu_worker.model.llama_family import dense_config, hf_values, param_shapes, sliding_window_fields
 
 # transformers' Phi3Config defaults, for keys a config.json may leave out.
 _DEFAULTS = {
@@ -25,17 +25,12 @@ _FUSED = (".self_attn.qkv_proj.weight", ".mlp.gate_up_proj.weight")
 
 
 def config_from_hf(cfg_dict: dict, model_id: str) -> ModelConfig:
-    """A ModelConfig from a Phi-3 config.json dict.
-
-    NOTE: sliding-window attention is not implemented yet, so a `sliding_window` caps the context at the window:
-    up to that length the window masks nothing and the outputs stay exact."""
+    """A ModelConfig from a Phi-3 config.json dict (a `sliding_window` windows every layer)."""
     d = hf_values(cfg_dict, _DEFAULTS)
     if d["hidden_act"] != "silu":
         raise ValueError(f"Phi-3: unsupported hidden_act {d['hidden_act']!r}; only 'silu' is supported")
-    window = d.get("sliding_window")
-    max_len = int(d["max_position_embeddings"])
     return dense_config("phi3", d, model_id, rms_norm_eps=float(d["rms_norm_eps"]), rope_theta=_rope_theta(cfg_dict),
-                        max_position_embeddings=max_len if window is None else min(max_len, int(window)))
+                        **sliding_window_fields(d))
 
 
 def _rope_theta(d: dict) -> float:
