@@ -131,7 +131,10 @@ class _FakeGroup:
     size, rank = 2, 0
 
 
-def test_tensor_parallel_is_refused() -> None:
-    cfg = config_from_hf(MIXTRAL_MIN, "tiny-mixtral")
-    with pytest.raises(ValueError, match="tiny-mixtral: mixture-of-experts models do not run tensor parallel yet"):
+def test_tensor_parallel_needs_an_even_share_of_each_expert() -> None:
+    """Experts shard over the ranks (each its share of every expert's intermediate size): it must divide."""
+    cfg = config_from_hf({**MIXTRAL_MIN, "intermediate_size": 97}, "tiny-mixtral")
+    with pytest.raises(ValueError, match="does not divide tiny-mixtral's moe_intermediate_size=97"):
         LlamaForCausalLM(cfg, _FakeGroup())
+    model = LlamaForCausalLM(config_from_hf(MIXTRAL_MIN, "tiny-mixtral"), _FakeGroup())
+    assert model.model.layers[0].mlp.experts.down_proj.shape == (8, 64, 48)

@@ -75,7 +75,8 @@ def _rank_model_logits(preset_name: str) -> list[list]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset_name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])  # GQA; q/k/v bias; qk-norm
+# GQA; q/k/v bias; qk-norm; routed experts (each rank its share of every expert) beside a dense MLP
+@pytest.mark.parametrize("preset_name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe"])
 def test_sharded_forward_equals_the_whole_model(preset_name: str) -> None:
     expected = _model_logits(preset_name, None)
     got = [torch.tensor(step) for step in launch(TP, _rank_model_logits, preset_name)]
@@ -96,6 +97,22 @@ def test_shards_partition_the_weights() -> None:
         assert torch.equal(torch.cat(parts, dim=dim), full[layer + name])
     for name in ("model.embed_tokens.weight", "lm_head.weight", layer + "input_layernorm.weight"):
         assert all(shard[name] is full[name] for shard in shards)
+
+
+def test_expert_shards_partition_each_experts_intermediate() -> None:
+    cfg = preset("tiny-qwen3-moe")
+    full = load_model("random:tiny-qwen3-moe", seed=SEED).state_dict
+    shards = [shard_state_dict(full, cfg, rank, TP) for rank in range(TP)]
+    gate_up, down = full["model.layers.0.mlp.experts.gate_up_proj"], full["model.layers.0.mlp.experts.down_proj"]
+    inter = cfg.moe_intermediate_size
+    gates = [shard["model.layers.0.mlp.experts.gate_up_proj"][:, : inter // TP] for shard in shards]
+    ups = [shard["model.layers.0.mlp.experts.gate_up_proj"][:, inter // TP:] for shard in shards]
+    assert torch.equal(torch.cat(gates, dim=1), gate_up[:, :inter]) and torch.equal(torch.cat(ups, dim=1),
+                                                                                    gate_up[:, inter:])
+    assert torch.equal(torch.cat([shard["model.layers.0.mlp.experts.down_proj"] for shard in shards], dim=2), down)
+    assert all(shard["model.layers.0.mlp.gate.weight"] is full["model.layers.0.mlp.gate.weight"] for shard in shards)
+    assert all(shard["model.layers.1.mlp.gate_proj.weight"].shape[0] == cfg.intermediate_size // TP
+               for shard in shards)  # the dense layer as in a dense model
 
 
 def test_the_lockstep_cache_stamps_rank_0s_clock_not_its_own() -> None:
@@ -164,7 +181,8 @@ def _rank_drive(preset_name: str, overlap: bool) -> dict | None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("preset_name", "overlap"), [("tiny-llama", False), ("tiny-qwen3", True)])
+@pytest.mark.parametrize(("preset_name", "overlap"), [("tiny-llama", False), ("tiny-qwen3", True),
+                                                      ("tiny-qwen3-moe", True)])
 def test_lockstep_engine_generates_what_one_rank_does(preset_name: str, overlap: bool) -> None:
     """overlap: the step mode of both sides (the CUDA default; its flush() travels to the followers)."""
     expected = _drive(Engine(_engine_config(preset_name, 1, overlap),

@@ -89,7 +89,7 @@ def forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, 
         h = _attention(layer.self_attn, x, positions, model.inv_freq, cache, meta, backend, num_parts, gemv)
         x, residual = rms_norm(h, layer.post_attention_layernorm.weight, eps, residual)
         if _is_moe(layer.mlp):
-            h = layer.mlp(x)  # [T, hidden]: routed experts (no TP: refused at load)
+            h = layer.mlp(x)  # [T, hidden]: routed experts (summed over the TP ranks inside)
             continue
         gate_up = _column_projection(x, layer.mlp.gate_up_weight, None, gemv)  # [T, 2 I] (I: this rank's share)
         h = _reduce(_row_projection(silu_mul(gate_up), layer.mlp.down_proj.weight, num_parts, gemv), layer.mlp.tp)

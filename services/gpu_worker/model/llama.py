@@ -91,7 +91,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer, tp)
-        self.mlp = SparseMoe(cfg) if cfg.is_moe_layer(layer) else MLP(cfg, tp)
+        self.mlp = SparseMoe(cfg, tp) if cfg.is_moe_layer(layer) else MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -123,9 +123,6 @@ class LlamaForCausalLM(nn.Module):
         if tp is not None:
             from services.gpu_worker.parallel.shard import check_tensor_parallel
 
-            if cfg.num_experts:
-                raise ValueError(f"{cfg.model_id or cfg.arch}: mixture-of-experts models do not run tensor "
-                                 f"parallel yet; use tensor_parallel_size=1")
             check_tensor_parallel(cfg, tp.size)
         self.config = cfg
         self.tp = tp

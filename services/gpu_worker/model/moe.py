@@ -16,11 +16,16 @@ Parameter names follow transformers 5's fused layout, which `moe_families.py` bu
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from services.gpu_worker.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from services.gpu_worker.parallel.state import TensorParallelGroup
 
 
 class Experts(nn.Module):
@@ -65,14 +70,20 @@ class Experts(nn.Module):
 
 class SparseMoe(nn.Module):
     """Router + experts: softmax over all experts in fp32, the top k kept (renormalised to sum 1 when
-    cfg.norm_topk_prob), each token's output the weighted sum of its k experts' outputs."""
+    cfg.norm_topk_prob), each token's output the weighted sum of its k experts' outputs.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    Under tensor parallelism (tp) every rank routes alike (the router is replicated) and holds each expert's
+    moe_intermediate_size / tp share (parallel/shard.py), so every rank computes every routed pair on its share and
+    the partial outputs are summed over the ranks, as the dense MLP's are."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
+        self.tp = tp
         self.top_k = cfg.num_experts_per_tok
         self.normalize = cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        share = cfg.moe_intermediate_size // (1 if tp is None else tp.size)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, share)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden] → top_ids [T, k] int64, top_weights [T, k] fp32."""
@@ -89,4 +100,5 @@ class SparseMoe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top_ids, top_weights = self.route(x)
-        return self.experts(x, top_ids, top_weights)  # [T, hidden]
+        out = self.experts(x, top_ids, top_weights)  # [T, hidden]
+        return out if self.tp is None else self.tp.all_reduce(out)  # TP: the sum over the intermediate shares

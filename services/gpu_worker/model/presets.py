@@ -59,6 +59,21 @@ PRESETS: dict[str, ModelConfig] = {
         qk_norm=True,
         eos_token_ids=(2,),
     ),
+    # Qwen3-MoE's blocks in small: 8 experts of which 2 routed and renormalised; layer 1 keeps a dense MLP
+    "tiny-qwen3-moe": ModelConfig(
+        arch="qwen3_moe",
+        **{**_TINY, "head_dim": 32},
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        qk_norm=True,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        dense_mlp_layers=(1,),
+        eos_token_ids=(2,),
+    ),
     "tiny-smollm2": ModelConfig(
         arch="llama",
         **{**_TINY, "num_kv_heads": 1},

@@ -7,6 +7,9 @@ Rank r of tp holds (H query heads, KVH kv heads, I intermediate, D head_dim):
     o_proj  weight [hidden, H*D]             the matching input columns; all_reduce after    row parallel
     gate_proj, up_proj [I, hidden]           rows [r*I/tp, (r+1)*I/tp)                       column parallel
     down_proj [hidden, I]                    the matching input columns; all_reduce after    row parallel
+    mlp.experts.gate_up_proj [E, 2 Im, hidden]  each expert's gate rows [r*Im/tp, (r+1)*Im/tp) and the same up rows
+    mlp.experts.down_proj [E, hidden, Im]    the matching input columns; all_reduce after
+    mlp.gate (the MoE router)                replicated: every rank routes alike
     embed_tokens, lm_head, every norm (q_norm / k_norm too): replicated
 
 Contiguous blocks of query heads keep GQA intact: query head h reads kv head h // (H/KVH), so rank r's query
@@ -23,6 +26,8 @@ from services.gpu_worker.model.config import ModelConfig
 
 _ROWS = re.compile(r".*\.(self_attn\.(q|k|v)_proj\.(weight|bias)|mlp\.(gate|up)_proj\.weight)")
 _COLUMNS = re.compile(r".*\.(self_attn\.o_proj|mlp\.down_proj)\.weight")
+_EXPERT_GATE_UP = re.compile(r".*\.mlp\.experts\.gate_up_proj")
+_EXPERT_DOWN = re.compile(r".*\.mlp\.experts\.down_proj")
 
 
 def check_tensor_parallel(cfg: ModelConfig, tp_size: int) -> None:
@@ -30,8 +35,12 @@ def check_tensor_parallel(cfg: ModelConfig, tp_size: int) -> None:
     if tp_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, not {tp_size}")
     name = cfg.model_id or cfg.arch
-    for what, count in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads),
-                        ("intermediate_size", cfg.intermediate_size)):
+    counts = [("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads)]
+    if not cfg.num_experts or cfg.dense_mlp_layers:
+        counts.append(("intermediate_size", cfg.intermediate_size))
+    if cfg.num_experts:
+        counts.append(("moe_intermediate_size", cfg.moe_intermediate_size))
+    for what, count in counts:
         if count % tp_size:
             raise ValueError(f"tensor_parallel_size={tp_size} does not divide {name}'s {what}={count}: "
                              f"each rank must hold a whole, equal share of the heads and of the MLP")
@@ -56,4 +65,9 @@ def _slice(name: str, tensor: torch.Tensor, rank: int, tp_size: int) -> torch.Te
         return tensor.chunk(tp_size, dim=0)[rank]  # [rows / tp, ...]: whole heads (rows are head-major)
     if _COLUMNS.fullmatch(name):
         return tensor.chunk(tp_size, dim=1)[rank]  # [hidden, cols / tp]
+    if _EXPERT_GATE_UP.fullmatch(name):  # [E, 2 Im, hidden]: gate rows, then up rows
+        gate, up = tensor.chunk(2, dim=1)
+        return torch.cat([gate.chunk(tp_size, dim=1)[rank], up.chunk(tp_size, dim=1)[rank]], dim=1)
+    if _EXPERT_DOWN.fullmatch(name):
+        return tensor.chunk(tp_size, dim=2)[rank]  # [E, hidden, Im / tp]
     return tensor
