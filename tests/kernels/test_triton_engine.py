@@ -55,7 +55,7 @@ def test_triton_engine_equals_torch_cpu_interpreter():
     assert _assert_same_greedy(ref, got, 1e-4) == 6
 
 
-def _tiny_gemma2() -> LoadedModel:
+def _tiny_gemma2(dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:
     """A two-layer Gemma 2 (a local layer with a window of 6, under one 16-token page, then a global one), random
     weights large enough that the logits reach the soft-cap of 2."""
     from services.gpu_worker.model.gemma2 import checkpoint_shapes, config_from_hf
@@ -70,13 +70,14 @@ def _tiny_gemma2() -> LoadedModel:
     state = {}
     for name, shape in checkpoint_shapes(cfg).items():
         kind = next((k for k in std if k in name), None)
-        state[name] = torch.randn(shape, generator=gen) * std.get(kind, shape[-1] ** -0.5)
+        state[name] = (torch.randn(shape, generator=gen) * std.get(kind, shape[-1] ** -0.5)).to(device, dtype)
     return LoadedModel(cfg, state, None, None)
 
 
 def test_gemma2_triton_engine_equals_torch_cpu_interpreter():
-    """Soft-capped and sliding-window layers on the Triton kernels (chunked prefill: mixed steps; decodes past
-    the window) give the torch backend's tokens and logprobs."""
+    """Gemma 2's fused forward (Triton (1 + w) norms, GELU·mul, fused projections) with soft-capped and
+    sliding-window layers on the Triton kernels (chunked prefill: mixed steps; decodes past the window) gives the
+    torch backend's tokens and logprobs."""
     if torch.cuda.is_available():
         pytest.skip("interpreter (CPU) only")
     loaded = _tiny_gemma2()
@@ -88,6 +89,7 @@ def test_gemma2_triton_engine_equals_torch_cpu_interpreter():
                               attention_backend=backend, max_num_batched_tokens=8)
         engine = Engine(config, loaded=loaded)
         assert engine.backend.name == backend
+        assert engine.model.is_fused == (backend == "triton")  # model/gemma2_fused.py
         runs.append([r.samples[0] for r in engine.generate(prompts, params)])
     ref, got = runs
     assert [s.token_ids for s in got] == [s.token_ids for s in ref]
@@ -160,19 +162,31 @@ def test_moe_triton_engine_equals_torch_cpu_interpreter(fused_experts):
     assert _assert_same_greedy(ref, got, 1e-4) == 3 * 4
 
 
+def _eager_and_graphs_follow_torch(name: str, loaded: LoadedModel, num_prompts: int, max_len: int, num_new: int,
+                                   step_tokens: int) -> None:
+    """bf16 on the GPU: the Triton path eager and under CUDA graphs keeps the torch backend's greedy tokens (until a
+    near-tie) for at least half of each sequence's new tokens."""
+    prompts = _prompts(loaded.config.vocab_size, num_prompts, max_len)
+    ref = _generate(name, loaded, prompts, num_new, "bfloat16", attention_backend="torch")
+    eager = _generate(name, loaded, prompts, num_new, "bfloat16", attention_backend="triton", enable_cuda_graphs=False)
+    graphs = _generate(name, loaded, prompts, num_new, "bfloat16", attention_backend="triton",
+                       max_num_batched_tokens=step_tokens)
+    assert _assert_same_greedy(ref, eager, 0.1) >= num_prompts * num_new // 2
+    assert _assert_same_greedy(ref, graphs, 0.1) >= num_prompts * num_new // 2
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_gemma2_fused_engine_equals_torch_gpu():
+    """Gemma 2's fused forward (model/gemma2_fused.py) in bf16 against its torch forward."""
+    _eager_and_graphs_follow_torch("tiny-gemma2", _tiny_gemma2(torch.bfloat16, "cuda"), 16, 40, 16, 64)
+
+
 @pytest.mark.gpu
 @gpu_only
 def test_moe_triton_engine_equals_torch_gpu():
-    """The MoE model on the fused forward and the fused MoE kernel, eager and under CUDA graphs, in bf16."""
-    loaded = _tiny_qwen3_moe(torch.bfloat16, "cuda")
-    prompts = _prompts(loaded.config.vocab_size, 24, 300)
-    ref = _generate("tiny-qwen3-moe", loaded, prompts, 24, "bfloat16", attention_backend="torch")
-    eager = _generate("tiny-qwen3-moe", loaded, prompts, 24, "bfloat16", attention_backend="triton",
-                      enable_cuda_graphs=False)
-    graphs = _generate("tiny-qwen3-moe", loaded, prompts, 24, "bfloat16", attention_backend="triton",
-                       max_num_batched_tokens=256)
-    assert _assert_same_greedy(ref, eager, 0.1) >= len(prompts) * 12
-    assert _assert_same_greedy(ref, graphs, 0.1) >= len(prompts) * 12
+    """The MoE model on the fused forward and the fused MoE kernel in bf16."""
+    _eager_and_graphs_follow_torch("tiny-qwen3-moe", _tiny_qwen3_moe(torch.bfloat16, "cuda"), 24, 300, 24, 256)
 
 
 @pytest.mark.gpu

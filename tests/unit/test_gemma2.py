@@ -76,13 +76,14 @@ def test_config_mapping() -> None:
         config_from_hf({**TINY, "architectures": ["Gemma2ForCausalLM"], "hidden_activation": "gelu"}, "m")
 
 
-def test_the_cuda_path_keeps_the_torch_forward_and_tensor_parallel_is_refused() -> None:
-    """The Triton backend computes Gemma 2's attention (tests/kernels/test_triton_engine.py), but fused.py's forward
-    is Llama's blocks: the model stays unfused."""
+def test_the_cuda_path_fuses_gemma2_and_tensor_parallel_is_refused() -> None:
+    """Gemma 2 takes its own fused forward (model/gemma2_fused.py; equal to the torch one on the interpreter:
+    tests/kernels/test_triton_engine.py); Gemma 3 keeps the torch forward."""
     cfg = config_from_hf({**TINY, "architectures": ["Gemma2ForCausalLM"]}, "m")
     model = Gemma2ForCausalLM(cfg)
     model.enable_fused_kernels()
-    assert not model.is_fused
+    assert model.is_fused and model.model.layers[0].mlp.gate_up_weight.shape == (2 * cfg.intermediate_size,
+                                                                                cfg.hidden_size)
 
     class Group:
         size, rank = 2, 0

@@ -103,3 +103,10 @@ def test_tensor_parallel_is_refused() -> None:
     cfg = config_from_hf({**TINY, "architectures": ["Gemma3ForCausalLM"], "rope_scaling": None}, "m")
     with pytest.raises(ValueError, match="Gemma 3 does not run tensor parallel yet"):
         Gemma3ForCausalLM(cfg, Group())
+
+
+def test_the_cuda_path_keeps_the_torch_forward(checkpoint) -> None:
+    """gemma2_fused.py has one RoPE table and no q/k norms: Gemma 3 stays on its torch blocks."""
+    model = Gemma3ForCausalLM(load_model(str(checkpoint[0])).config)
+    model.enable_fused_kernels()
+    assert not model.is_fused

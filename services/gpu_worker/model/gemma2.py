@@ -7,8 +7,9 @@ What differs from llama.py: the embedding scaled by sqrt(hidden); RMSNorm weight
 sliding window; the LM head's logits soft-capped too. The checkpoint's tensor names are the model's.
 
 Both attention backends apply each layer's soft-cap and window: the torch reference (attention/torch_ref.py) and
-the Triton kernels (compiled variants; decode reads only the window's tiles). On the CUDA path the model keeps its
-torch forward around the Triton attention (model/fused.py knows only Llama's blocks).
+the Triton kernels (compiled variants; decode reads only the window's tiles). On the CUDA path Gemma 2 runs
+model/gemma2_fused.py (fused projections, Triton norms and GELU·mul); Gemma 3 keeps this torch forward around the
+Triton attention (its q/k norms and per-kind RoPE tables are not in the fused forward).
 NOTE: every layer keeps its whole KV; a local layer only reads the window of it.
 """
 from __future__ import annotations
@@ -163,8 +164,19 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     stack_class = Gemma2Stack
 
     def enable_fused_kernels(self) -> None:
-        """Nothing to fuse: fused.py's forward is Llama's blocks (two norms, SiLU MLP), so the torch forward stays
-        and only its attention runs on the Triton backend."""
+        """CUDA: fused q/k/v and gate/up projections, Triton norms and GELU·mul (model/gemma2_fused.py)."""
+        from services.gpu_worker.model import fused  # imports triton
+
+        fused.fuse_projections(self)
+        self.split_k_max_tokens = 0  # o/down_proj feed a post-norm, not the residual add split-K partials go to
+        self.is_fused = True
+
+    def fused_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                      meta: AttentionMetadata, backend: AttentionBackend,
+                      fed: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        from services.gpu_worker.model import gemma2_fused  # imports triton
+
+        return gemma2_fused.forward(self, input_ids, positions, cache, meta, backend, fed)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: [T] → [T, hidden]: the rows times sqrt(hidden), that factor rounded to their dtype as in HF."""

@@ -67,6 +67,10 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
         self.register_buffer("local_inv_freq", inv_frequencies(cfg.head_dim, local_theta, None), persistent=False)
         self.is_local = [i in cfg.sliding_window_layers for i in range(cfg.num_layers)]
 
+    def enable_fused_kernels(self) -> None:
+        """Nothing fused: gemma2_fused.py has one RoPE table and no q/k norms, so the torch forward stays and only
+        its attention runs on the Triton backend."""
+
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's (cos, sin) [T, head_dim]: the local table on local layers, the global one elsewhere."""
         table = cos_sin(positions, self.inv_freq, dtype)

@@ -154,15 +154,21 @@ class LlamaForCausalLM(nn.Module):
         fed = (src [T], prev): row i's input token is prev[src[i]] where src[i] ≥ 0, input_ids[i] elsewhere
         (tokens the previous step sampled that the host has not read yet; a captured graph's inputs)."""
         if self.is_fused:
-            from services.gpu_worker.model import fused
-
-            return fused.forward(self, input_ids, positions, cache, meta, backend, fed)
+            return self.fused_forward(input_ids, positions, cache, meta, backend, fed)
         if fed is not None:
             input_ids = torch.where(fed[0] >= 0, fed[1][fed[0].clamp_min(0).long()], input_ids.long())
         h = self.embed(input_ids)  # [T, hidden]
         for layer, (cos, sin) in zip(self.model.layers, self.rope(positions, h.dtype)):
             h = layer(h, cos, sin, cache, meta, backend)
         return self.model.norm(h)
+
+    def fused_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                      meta: AttentionMetadata, backend: AttentionBackend,
+                      fed: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """forward() once enable_fused_kernels() ran: model/fused.py (a family with other blocks has its own)."""
+        from services.gpu_worker.model import fused
+
+        return fused.forward(self, input_ids, positions, cache, meta, backend, fed)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's RoPE (cos, sin), [T, head_dim] each, at positions [T]: one table that every layer shares
