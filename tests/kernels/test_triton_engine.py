@@ -74,26 +74,32 @@ def _tiny_gemma2(dtype: torch.dtype = torch.float32, device: str = "cpu") -> Loa
     return LoadedModel(cfg, state, None, None)
 
 
+def _interpreter_runs(name: str, loaded: LoadedModel, setup=None) -> None:
+    """Three short prompts, 4 greedy tokens each, 8-token steps (mixed steps), on the torch backend then on the
+    Triton path (the model fused there; setup(engine) before generating): the same tokens, logprobs to 1e-4."""
+    prompts = _prompts(loaded.config.vocab_size, 3, 14)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2)
+    runs = []
+    for backend in ("torch", "triton"):
+        config = EngineConfig(model=name, device=DEVICE, dtype="float32", num_pages=64, page_size=16,
+                              attention_backend=backend, max_num_batched_tokens=8)
+        engine = Engine(config, loaded=loaded)
+        assert engine.backend.name == backend and engine.model.is_fused == (backend == "triton")
+        if setup is not None:
+            setup(engine)
+        runs.append([r.samples[0] for r in engine.generate(prompts, params)])
+    ref, got = runs
+    assert [s.token_ids for s in got] == [s.token_ids for s in ref]
+    assert _assert_same_greedy(ref, got, 1e-4) == 3 * 4
+
+
 def test_gemma2_triton_engine_equals_torch_cpu_interpreter():
     """Gemma 2's fused forward (Triton (1 + w) norms, GELU·mul, fused projections) with soft-capped and
     sliding-window layers on the Triton kernels (chunked prefill: mixed steps; decodes past the window) gives the
     torch backend's tokens and logprobs."""
     if torch.cuda.is_available():
         pytest.skip("interpreter (CPU) only")
-    loaded = _tiny_gemma2()
-    prompts = _prompts(loaded.config.vocab_size, 3, 14)
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2)
-    runs = []
-    for backend in ("torch", "triton"):
-        config = EngineConfig(model="tiny-gemma2", device=DEVICE, dtype="float32", num_pages=64, page_size=16,
-                              attention_backend=backend, max_num_batched_tokens=8)
-        engine = Engine(config, loaded=loaded)
-        assert engine.backend.name == backend
-        assert engine.model.is_fused == (backend == "triton")  # model/gemma2_fused.py
-        runs.append([r.samples[0] for r in engine.generate(prompts, params)])
-    ref, got = runs
-    assert [s.token_ids for s in got] == [s.token_ids for s in ref]
-    assert _assert_same_greedy(ref, got, 1e-4) == 3 * 4
+    _interpreter_runs("tiny-gemma2", _tiny_gemma2())  # model/gemma2_fused.py on the Triton path
 
 
 def test_windowed_mistral_on_the_fused_forward_cpu_interpreter():
@@ -110,16 +116,7 @@ def test_windowed_mistral_on_the_fused_forward_cpu_interpreter():
     loaded = LoadedModel(cfg, {name: torch.randn(shape, generator=gen) * (0.3 if "norm" in name else
                                                                          shape[-1] ** -0.5)
                                for name, shape in model_shapes(cfg).items()}, None, None)
-    prompts = _prompts(cfg.vocab_size, 3, 14)
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2)
-    runs = []
-    for backend in ("torch", "triton"):
-        config = EngineConfig(model="tiny-window", device=DEVICE, dtype="float32", num_pages=64, page_size=16,
-                              attention_backend=backend, max_num_batched_tokens=8)
-        runs.append([r.samples[0] for r in Engine(config, loaded=loaded).generate(prompts, params)])
-    ref, got = runs
-    assert [s.token_ids for s in got] == [s.token_ids for s in ref]
-    assert _assert_same_greedy(ref, got, 1e-4) == 3 * 4
+    _interpreter_runs("tiny-window", loaded)
 
 
 def _tiny_qwen3_moe(dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:
@@ -144,22 +141,13 @@ def test_moe_triton_engine_equals_torch_cpu_interpreter(fused_experts):
     routed experts between the norms (on the fused MoE kernel when fused_experts): the torch backend's tokens."""
     if torch.cuda.is_available():
         pytest.skip("interpreter (CPU) only")
-    loaded = _tiny_qwen3_moe()
-    prompts = _prompts(loaded.config.vocab_size, 3, 14)
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2)
-    runs = []
-    for backend in ("torch", "triton"):
-        config = EngineConfig(model="tiny-qwen3-moe", device=DEVICE, dtype="float32", num_pages=64, page_size=16,
-                              attention_backend=backend, max_num_batched_tokens=8)
-        engine = Engine(config, loaded=loaded)
-        assert engine.model.is_fused == (backend == "triton")
+
+    def experts_path(engine: Engine) -> None:
         for layer in engine.model.model.layers:
             if hasattr(layer.mlp, "experts"):
                 layer.mlp.experts.use_fused = fused_experts
-        runs.append([r.samples[0] for r in engine.generate(prompts, params)])
-    ref, got = runs
-    assert [s.token_ids for s in got] == [s.token_ids for s in ref]
-    assert _assert_same_greedy(ref, got, 1e-4) == 3 * 4
+
+    _interpreter_runs("tiny-qwen3-moe", _tiny_qwen3_moe(), experts_path)
 
 
 def _eager_and_graphs_follow_torch(name: str, loaded: LoadedModel, num_prompts: int, max_len: int, num_new: int,
