@@ -108,9 +108,7 @@ class Engine:
         self.pool = BlockPool(self.num_pages)
         cache_cls = RadixCache
         if self.tp is not None:
-            from services.gpu_worker.parallel.lockstep_cache import (
-                LockstepRadixCache,  # rank 0's clock
-            )
+            from services.gpu_worker.parallel.lockstep_cache import LockstepRadixCache  # rank 0's clock
 
             cache_cls = LockstepRadixCache
         self.cache = cache_cls(self.pool, config.page_size, self.model_config.model_id,
