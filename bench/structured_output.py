@@ -6,6 +6,11 @@ of the previous step (Engine._constrain). Runs unchanged on CUDA (overlap and CU
 
     .venv/bin/python -m bench.structured_output --device cpu --out bench/results/structured_output_cpu.json
     .venv/bin/python -m bench.structured_output --device cuda --out bench/results/structured_output_h200.json
+    .venv/bin/python -m bench.structured_output --device cuda --model random:llama3-8b --tokenizer DIR
+
+A random:* model has no tokenizer: --tokenizer DIR (a Hugging Face tokenizer directory, e.g. the bundled model's
+cache directory) lends it one, so the grammar runs against real token strings while the step and the bitmask have
+the model's own shape (Llama-3.1-8B: 128,256 rows of mask, ids past the tokenizer's vocabulary always masked).
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import torch
 from services.gpu_worker.engine import Engine
 from services.gpu_worker.engine_config import EngineConfig
 from services.gpu_worker.request import SamplingParams
+from services.gpu_worker.structured_output import StructuredOutput
 from shared.output_constraint import ConstraintKind, OutputConstraint
 
 SCHEMA = {"type": "array", "minItems": 100, "items": {
@@ -70,11 +76,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--tokenizer", type=Path, default=None,
+                        help="a Hugging Face tokenizer directory lent to a model without one (random:*)")
     args = parser.parse_args()
     config = EngineConfig(model=args.model, device=args.device, max_num_seqs=max(args.batches),
                           enable_prefix_cache=False)
     engine = Engine(config)
-    report = {"device": args.device, "model": args.model, "host": platform.node(), "cpus": os.cpu_count(),
+    if args.tokenizer is not None:
+        import transformers
+
+        engine.runner.tokenizer = transformers.AutoTokenizer.from_pretrained(args.tokenizer)
+        engine.structured = StructuredOutput(engine.tokenizer, engine.model_config.vocab_size,
+                                             sorted(engine.eos_token_ids), engine.device)
+    report = {"device": args.device, "model": args.model, "tokenizer": str(args.tokenizer) if args.tokenizer else None,
+              "host": platform.node(), "cpus": os.cpu_count(),
               "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
               "overlap": engine.is_overlapped, "cuda_graphs": engine.graphs is not None, "steps": args.steps,
               "schema": SCHEMA, "batches": {}}
