@@ -85,9 +85,10 @@ def main() -> None:
     if args.tokenizer is not None:
         import transformers
 
-        engine.runner.tokenizer = transformers.AutoTokenizer.from_pretrained(args.tokenizer)
-        engine.structured = StructuredOutput(engine.tokenizer, engine.model_config.vocab_size,
-                                             sorted(engine.eos_token_ids), engine.device)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(args.tokenizer)
+        engine.runner.tokenizer = tokenizer  # the grammar's end is the lent tokenizer's EOS, not the model's ids
+        engine.structured = StructuredOutput(tokenizer, engine.model_config.vocab_size, [tokenizer.eos_token_id],
+                                             engine.device)
     report = {"device": args.device, "model": args.model, "tokenizer": str(args.tokenizer) if args.tokenizer else None,
               "host": platform.node(), "cpus": os.cpu_count(),
               "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
