@@ -1,0 +1,42 @@
+"""Quantizing a loaded model in place: every nn.Linear, except those that must stay dense, becomes a
+QuantizedLinear.
+
+Left dense: the LM head (`lm_head`: its logits feed sampling directly and it is a small share of a big model's
+bytes), a mixture-of-experts router (a module named `gate` whose parent has `experts`: a flipped top-k choice costs
+more than its few bytes save) and any name in `skip`. Embeddings and the fused experts' tensors are not nn.Linear,
+so they stay as they are.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from services.gpu_worker.quant.linear import LinearMethod, QuantizedLinear
+
+METHODS = ("fp8", "awq", "gptq")
+"""The `quantization` values a model can be served with. "fp8": W8A8 e4m3 (quant/fp8.py). "awq" and "gptq" both mean
+INT4 W4A16 (quant/int4.py): a bf16 checkpoint quantized on load gets round-to-nearest weights in the AWQ style
+(asymmetric, groups of 128) either way; a real AWQ or GPTQ checkpoint is loaded as published (from_awq, from_gptq)."""
+
+_LINEAR_METHOD: dict[str, LinearMethod] = {"fp8": "fp8", "awq": "int4", "gptq": "int4"}
+
+
+def quantize_linears_(model: nn.Module, method: str, skip: tuple[str, ...] = ("lm_head",),
+                      group_size: int = 128) -> int:
+    """Replace each nn.Linear of `model` by a QuantizedLinear of its weights (in place) unless a component of its
+    qualified name is in `skip` or it is an MoE router; returns how many were replaced."""
+    if method not in _LINEAR_METHOD:
+        raise ValueError(f"unknown quantization {method!r}: one of {METHODS}")
+    targets = [
+        (parent, name, child)
+        for parent_name, parent in model.named_modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.Linear) and not _is_skipped(f"{parent_name}.{name}", parent, name, skip)
+    ]
+    for parent, name, child in targets:
+        setattr(parent, name, QuantizedLinear.from_linear(child, _LINEAR_METHOD[method], group_size))
+    return len(targets)
+
+
+def _is_skipped(qualified: str, parent: nn.Module, name: str, skip: tuple[str, ...]) -> bool:
+    is_router = name == "gate" and hasattr(parent, "experts")
+    return is_router or any(part in skip for part in qualified.split("."))
