@@ -97,10 +97,16 @@ class StructuredOutput:
 
     @torch.inference_mode()  # the model's logits are inference tensors
     def apply(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """Set the logits of disallowed tokens to -inf in the constrained rows, in place → logits [B, V]."""
+        """Set the logits of disallowed tokens to -inf in the constrained rows, in place → logits [B, V].
+
+        On CUDA one Triton launch (apply_token_bitmask_); elsewhere torch ops, the kernel's reference in its tests."""
         vocab = logits.shape[1]
         index = to_device(rows, torch.long, logits.device)  # [R]
         mask = bitmask.to(logits.device, non_blocking=True)  # [R, W] int32
+        if logits.is_cuda:  # imported here: kernel modules load only where Triton runs (kernels/__init__.py)
+            from services.gpu_worker.kernels.token_bitmask import apply_token_bitmask_
+
+            return apply_token_bitmask_(logits, mask, index)
         allowed = (mask.unsqueeze(-1) & self._bit_values).ne(0).flatten(1)[:, :vocab]  # [R, W·32 → V] bool
         logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
         return logits
