@@ -11,6 +11,7 @@ the GPU's up to the accumulation order.
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -45,7 +46,13 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def has_fp8_matmul(device: torch.device) -> bool:
     """Whether torch._scaled_mm runs on this device: CUDA with FP8 tensor cores (Ada sm_89, Hopper sm_90 and up)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cuda" and _capability(device.index) >= (8, 9)
+
+
+@lru_cache(maxsize=None)
+def _capability(index: int | None) -> tuple[int, int]:
+    """The CUDA device's compute capability, asked once (every forward of every layer asks)."""
+    return torch.cuda.get_device_capability(index)
 
 
 def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
@@ -74,7 +81,7 @@ def _scaled_mm(qx: torch.Tensor, sx: torch.Tensor, qweight: torch.Tensor, sw: to
 
     Hopper and up: rowwise scaling in the epilogue (torch supports it with a bfloat16 output). Ada (sm_89): unit
     tensor-wise scales, a float32 output and the two scales applied after, the same numbers in one more pass."""
-    if torch.cuda.get_device_capability(qx.device) >= (9, 0):
+    if _capability(qx.device.index) >= (9, 0):
         out = torch._scaled_mm(qx.contiguous(), qweight.t(), scale_a=sx.contiguous(),
                                scale_b=sw.reshape(1, -1).contiguous(), out_dtype=torch.bfloat16)  # [M, N]
         return out.to(out_dtype)

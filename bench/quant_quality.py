@@ -1,0 +1,138 @@
+"""Quality of the quantized weights (issue 25) on the bundled SmolLM2-135M, CPU: perplexity, teacher-forced top-1
+agreement and KL divergence against the float32 model, for FP8 W8A8 and INT4 W4A16.
+
+The text is the docstrings of Python standard library modules (deterministic for one Python version, English prose
+with code in it), tokenized and cut into windows that are scored independently; every variant reads the same
+windows. INT4 appears twice: round-to-nearest with the scales kept in float32, and the same weights written to the
+AutoAWQ checkpoint layout and read back (fp16 scales), which is what a served AWQ-layout model computes.
+
+Caveat: the bundled weights were themselves dequantized from a Q4_1 GGUF (4-bit, blocks of 32), so INT4 here
+re-quantizes weights that already sit on a 4-bit grid of finer blocks; on a bf16 checkpoint the INT4 loss can differ.
+
+    python -m bench.quant_quality --out bench/results/quant_quality_cpu.json
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import math
+import platform
+import subprocess
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.gpu_worker.model.loader import LoadedModel, load_bundled
+from services.gpu_worker.model.registry import architecture_for_type
+from services.gpu_worker.quant.apply import quantize_linears_
+from services.gpu_worker.quant.int4 import from_awq, to_awq
+from services.gpu_worker.quant.linear import QuantizedLinear
+from services.gpu_worker.quant.quality import perplexity, sequence_logits, top1_agreement
+
+MODULES = ("json", "collections", "functools", "itertools", "textwrap", "argparse", "re", "string", "pathlib",
+           "dataclasses", "heapq", "bisect", "contextlib", "datetime", "fractions", "statistics", "random",
+           "logging", "subprocess", "typing", "enum", "abc", "shutil", "tempfile", "csv", "difflib", "inspect")
+
+
+def stdlib_text(min_chars: int) -> str:
+    """The docstrings of MODULES and of the classes and functions each defines (sorted by name), joined by blank
+    lines, until at least min_chars characters."""
+    parts: list[str] = []
+    for module_name in MODULES:
+        module = importlib.import_module(module_name)
+        members = [getattr(module, name) for name in sorted(vars(module)) if not name.startswith("_")]
+        for obj in [module, *(m for m in members if inspect.getmodule(m) is module)]:
+            doc = inspect.getdoc(obj)
+            if doc and (obj is module or inspect.isclass(obj) or inspect.isfunction(obj)):
+                parts.append(doc)
+            if sum(map(len, parts)) >= min_chars:
+                return "\n\n".join(parts)
+    return "\n\n".join(parts)
+
+
+def build_model(loaded: LoadedModel) -> nn.Module:
+    model = architecture_for_type(loaded.config.arch).model_class(loaded.config, None)
+    model.load_weights(loaded.state_dict)
+    return model.eval()
+
+
+def through_awq_layout_(model: nn.Module) -> None:
+    """Each INT4 layer written to the AutoAWQ GEMM tensors and read back (fp16 scales), scales then in the model's
+    float32 again."""
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear) and module.method == "int4":
+            weight = from_awq(**to_awq(module.int4_weight()), group_size=module.group_size)
+            module.qweight, module.scales, module.zeros = weight.qweight, weight.scales.float(), weight.zeros.float()
+
+
+def group_sizes(model: nn.Module) -> dict[str, int]:
+    """The INT4 group size of each distinct (in_features) shape."""
+    return {str(m.in_features): m.group_size for m in model.modules()
+            if isinstance(m, QuantizedLinear) and m.method == "int4"}
+
+
+def measure(model: nn.Module, windows: list[list[int]], reference: list[torch.Tensor] | None
+            ) -> tuple[dict, list[torch.Tensor]]:
+    """Perplexity over all windows (token-weighted), and against the reference logits (if given) the top-1
+    agreement and the mean KL(reference ‖ model) a position; → (that, the logits [T, V] of each window)."""
+    start = time.perf_counter()
+    logits = [sequence_logits(model, w) for w in windows]  # [T, V] each
+    predicted = sum(len(w) - 1 for w in windows)  # each window's first token has nothing before it
+    nll = sum(math.log(perplexity(l, w)) * (len(w) - 1) for l, w in zip(logits, windows))
+    result: dict = {"perplexity": round(math.exp(nll / predicted), 4)}
+    if reference is not None:
+        rows = sum(len(w) for w in windows)
+        result["top1_agreement"] = round(sum(top1_agreement(l, r) * len(l) for l, r in zip(logits, reference)) / rows, 4)
+        kl = sum(F.kl_div(l.log_softmax(-1), r.log_softmax(-1), log_target=True, reduction="sum").item()
+                 for l, r in zip(logits, reference))
+        result["mean_kl_nats"] = round(kl / rows, 5)
+    result["seconds"] = round(time.perf_counter() - start, 2)
+    return result, logits
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens scored in all")
+    parser.add_argument("--window", type=int, default=512, help="tokens per independently scored window")
+    parser.add_argument("--group-size", type=int, default=128, help="INT4 group size asked for (gcd with K used)")
+    parser.add_argument("--out", default=None, help="JSON result path")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    loaded = load_bundled(dtype=torch.float32)
+    ids = loaded.tokenizer(stdlib_text(args.tokens * 8), add_special_tokens=False)["input_ids"][: args.tokens]
+    windows = [ids[i: i + args.window] for i in range(0, len(ids) - args.window + 1, args.window)]
+
+    base, reference = measure(build_model(loaded), windows, None)
+    results = {"float32": base}
+    for name, method in (("fp8", "fp8"), ("int4_rtn", "awq"), ("int4_awq_layout", "awq")):
+        model = build_model(loaded)
+        replaced = quantize_linears_(model, method, group_size=args.group_size)
+        if name == "int4_awq_layout":
+            through_awq_layout_(model)
+        result, _ = measure(model, windows, reference)
+        result["perplexity_vs_float"] = round(result["perplexity"] / base["perplexity"] - 1, 4)
+        result["linears_quantized"] = replaced
+        if method == "awq":
+            result["group_size_by_in_features"] = group_sizes(model)
+        results[name] = result
+        print(name, result, flush=True)
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    report = {"bench": "quant_quality", "model": loaded.config.model_id, "commit": commit, "device": "cpu",
+              "hardware": platform.processor() or platform.machine(), "python": platform.python_version(),
+              "torch": torch.__version__, "text": f"docstrings of {len(MODULES)} stdlib modules",
+              "tokens_scored": sum(len(w) for w in windows), "windows": len(windows), "window": args.window,
+              "lm_head": "dense (tied embedding)", "results": results}
+    print(json.dumps(report, indent=2))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
+
+
+if __name__ == "__main__":
+    main()
