@@ -63,7 +63,8 @@ def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tenso
     out_dtype = out_dtype or x.dtype
     qx, sx = quantize_activation_fp8(x)  # [M, K], [M, 1]
     if has_fp8_matmul(x.device) and _scaled_mm_shapes_ok(qx, qweight):
-        out = _scaled_mm(qx, sx, qweight, weight_scale.float(), out_dtype)
+        rowwise = out_dtype == torch.bfloat16 and _capability(x.device.index) >= (9, 0)
+        out = _scaled_mm(qx, sx, qweight, weight_scale.float(), out_dtype, rowwise)
     else:
         out = (dequantize_fp8(qx, sx) @ dequantize_fp8(qweight, weight_scale).t()).to(out_dtype)  # [M, N]
     return out if bias is None else out + bias.to(out_dtype)
@@ -75,16 +76,17 @@ def _scaled_mm_shapes_ok(qx: torch.Tensor, qweight: torch.Tensor) -> bool:
 
 
 def _scaled_mm(qx: torch.Tensor, sx: torch.Tensor, qweight: torch.Tensor, sw: torch.Tensor,
-               out_dtype: torch.dtype) -> torch.Tensor:
+               out_dtype: torch.dtype, rowwise: bool) -> torch.Tensor:
     """qx [M, K] row-major, sx [M, 1]; qweight [N, K] row-major (so qweight.t() is the column-major [K, N] that
     _scaled_mm wants as its second operand), sw [N] → [M, N] out_dtype.
 
-    Hopper and up: rowwise scaling in the epilogue (torch supports it with a bfloat16 output). Ada (sm_89): unit
-    tensor-wise scales, a float32 output and the two scales applied after, the same numbers in one more pass."""
-    if _capability(qx.device.index) >= (9, 0):
-        out = torch._scaled_mm(qx.contiguous(), qweight.t(), scale_a=sx.contiguous(),
-                               scale_b=sw.reshape(1, -1).contiguous(), out_dtype=torch.bfloat16)  # [M, N]
-        return out.to(out_dtype)
+    rowwise (fp8_linear: a bfloat16 output on Hopper and up): the scales applied in the GEMM's epilogue, torch's
+    rowwise path, which writes bfloat16. Otherwise (Ada sm_89, or a float16 / float32 output, which bfloat16 would
+    round more coarsely): unit tensor-wise scales, a float32 output and the two scales applied after, the same
+    numbers in one more pass."""
+    if rowwise:
+        return torch._scaled_mm(qx.contiguous(), qweight.t(), scale_a=sx.contiguous(),
+                                scale_b=sw.reshape(1, -1).contiguous(), out_dtype=torch.bfloat16)  # [M, N]
     one = torch.ones((), dtype=torch.float32, device=qx.device)
     out = torch._scaled_mm(qx.contiguous(), qweight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
     return (out * sx * sw.reshape(1, -1)).to(out_dtype)
