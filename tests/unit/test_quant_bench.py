@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from bench.quant_quality import build_model, group_sizes, measure, stdlib_text, through_awq_layout_
+from bench.quant_quality import (VARIANTS, build_model, fp8_weights_only_, group_sizes, measure, quantized,
+                                 stdlib_text, through_awq_layout_)
 from services.gpu_worker.model.loader import load_model
 from services.gpu_worker.quant.apply import quantize_linears_
+from services.gpu_worker.quant.fp8 import FP8_MAX
+from services.gpu_worker.quant.linear import QuantizedLinear
 from services.gpu_worker.quant.quality import sequence_logits
 
 _WINDOWS = [torch.randint(0, 512, (24,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(2)]
@@ -34,3 +37,21 @@ def test_the_awq_layout_round_trip_keeps_an_fp16_exact_model_and_the_measures_co
     assert 0.5 <= result["top1_agreement"] <= 1 and 0 <= result["mean_kl_nats"] < 0.1
     same, _ = measure(build_model(loaded), _WINDOWS, ref_logits)
     assert same["top1_agreement"] == 1.0 and abs(same["mean_kl_nats"]) < 1e-6
+
+
+def test_every_variant_builds_and_fp8_weights_only_rounds_the_weights_in_place() -> None:
+    loaded = load_model("random:tiny-llama", dtype=torch.float32)
+    for variant in VARIANTS:
+        model, changed = quantized(loaded, variant, 128)
+        assert changed == 14, variant
+        layer = model.model.layers[1].mlp.down_proj
+        assert isinstance(layer, torch.nn.Linear) == (variant == "fp8_weights_only")
+    assert group_sizes(quantized(loaded, "int4_rtn_g32", 128)[0]) == {"64": 32, "128": 32}
+    assert group_sizes(quantized(loaded, "int4_rtn", 128)[0]) == {"64": 64, "128": 128}
+    model = build_model(loaded)
+    dense = model.model.layers[0].self_attn.q_proj.weight.clone()
+    assert fp8_weights_only_(model) == 14
+    rounded = model.model.layers[0].self_attn.q_proj.weight
+    scale = dense.abs().amax(dim=1, keepdim=True) / FP8_MAX
+    assert not torch.equal(rounded, dense) and ((rounded - dense).abs() <= dense.abs() / 16 + scale / 1024).all()
+    assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
