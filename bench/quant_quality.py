@@ -118,7 +118,8 @@ def measure(model: nn.Module, windows: list[list[int]], reference: list[torch.Te
     result: dict = {"perplexity": round(math.exp(nll / predicted), 4)}
     if reference is not None:
         rows = sum(len(w) for w in windows)
-        result["top1_agreement"] = round(sum(top1_agreement(l, r) * len(l) for l, r in zip(logits, reference)) / rows, 4)
+        agreed = sum(top1_agreement(l, r) * len(l) for l, r in zip(logits, reference))
+        result["top1_agreement"] = round(agreed / rows, 4)
         kl = sum(F.kl_div(l.log_softmax(-1), r.log_softmax(-1), log_target=True, reduction="sum").item()
                  for l, r in zip(logits, reference))
         result["mean_kl_nats"] = round(kl / rows, 5)

@@ -80,7 +80,7 @@ def test_a_hand_packed_awq_word_unpacks_in_awqs_interleaved_order() -> None:
     k = 8
     words = [_word([c + 1 + row for c in (0, 2, 4, 6, 1, 3, 5, 7)]) for row in range(k)]
     qweight = torch.tensor(words, dtype=torch.int32)[:, None]  # [K=8, N/8=1]
-    qzeros = torch.tensor([[_word([2, 2, 2, 2, 3, 3, 3, 3])]], dtype=torch.int32)  # columns 0,2,4,6 → 2; 1,3,5,7 → 3
+    qzeros = torch.tensor([[_word([2, 2, 2, 2, 3, 3, 3, 3])]], dtype=torch.int32)  # columns 0,2,4,6: 2; 1,3,5,7: 3
     scales = torch.ones(1, 8, dtype=torch.float16)
     w = from_awq(qweight, qzeros, scales, group_size=8)
     expected_q = torch.tensor([[c + 1 + row for row in range(k)] for c in range(8)])  # [N, K]

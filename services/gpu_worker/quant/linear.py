@@ -2,8 +2,8 @@
 
 The quantized tensors are buffers, not parameters: nothing trains them, and `.to(device)` / `state_dict()` still
 carry them. Quantize after casting the model to its serving dtype: `.to(dtype)` casts every floating buffer, the
-e4m3 qweight and the float32 scales included. forward() flattens the leading dimensions into one [M, K] matmul (fp8_linear or int4_linear) and returns
-x's dtype, so it drops into any module that called an nn.Linear.
+e4m3 qweight and the float32 scales included. forward() flattens the leading dimensions into one [M, K] matmul
+(fp8_linear or int4_linear) and returns x's dtype, so it drops into any module that called an nn.Linear.
 """
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ class QuantizedLinear(nn.Module):
     """y = x Wᵀ + b with W quantized. method "fp8": buffers qweight (e4m3 [N, K]) and weight_scale (float32 [N]);
     "int4": qweight, scales, zeros and perm of an Int4Weight (quant/int4.py's layout)."""
 
-    def __init__(self, method: LinearMethod, in_features: int, out_features: int, tensors: dict[str, torch.Tensor | None],
-                 bias: torch.Tensor | None = None, group_size: int = 0) -> None:
+    def __init__(self, method: LinearMethod, in_features: int, out_features: int,
+                 tensors: dict[str, torch.Tensor | None], bias: torch.Tensor | None = None,
+                 group_size: int = 0) -> None:
         super().__init__()
         if method not in ("fp8", "int4"):
             raise ValueError(f"unknown linear quantization {method!r}: 'fp8' or 'int4'")
@@ -37,7 +38,8 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("bias", bias)
 
     @classmethod
-    def fp8(cls, qweight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None) -> QuantizedLinear:
+    def fp8(cls, qweight: torch.Tensor, weight_scale: torch.Tensor,
+            bias: torch.Tensor | None = None) -> QuantizedLinear:
         """qweight: e4m3 [N, K]; weight_scale: float32 [N]."""
         n, k = qweight.shape
         return cls("fp8", k, n, {"qweight": qweight, "weight_scale": weight_scale}, bias)
