@@ -40,6 +40,11 @@ class WorkerConfig:
     kv_cache_dtype: str = field(default="auto", metadata={
         "help": "auto (the model's dtype) or fp8 (e4m3: half the bytes per cached token, not bit-exact)",
         "choices": ("auto", "fp8")})
+    quantization: str = field(default="none", metadata={
+        "help": "weights: none (the model's dtype), fp8 (W8A8: e4m3 weights with per-channel scales, activations "
+                "per token; half the weight bytes) or awq / gptq (INT4 weight-only in groups of 128, quantized on "
+                "load; a quarter of the weight bytes). Costs in quality and speed: docs/PERFORMANCE.md",
+        "choices": ("none", "fp8", "awq", "gptq")})
     gemv_max_tokens: str = field(default="auto", metadata={
         "help": f"CUDA: steps of at most this many tokens (0-{GEMV_MAX_TOKENS_LIMIT}) run their matmuls on the Triton "
                 "GEMV instead of cuBLAS (0: never, all on cuBLAS; auto: 1 on a single-GPU worker, which speeds up "
@@ -119,4 +124,5 @@ class WorkerConfig:
                             max_num_batched_tokens=self.max_num_batched_tokens or None,
                             max_num_seqs=self.max_num_seqs or None, max_model_len=self.max_model_len or None,
                             enable_prefix_cache=self.enable_prefix_cache, seed=self.seed,
-                            tensor_parallel_size=self.tensor_parallel_size)
+                            tensor_parallel_size=self.tensor_parallel_size,
+                            quantization=None if self.quantization == "none" else self.quantization)

@@ -143,6 +143,7 @@ class Engine:
     graphs = property(lambda self: self.runner.graphs)
     batching = property(lambda self: self.runner.batching)
     num_pages = property(lambda self: self.runner.num_pages)
+    weights = property(lambda self: self.runner.weights)
     max_model_len = property(lambda self: self.runner.max_model_len)
     max_seq_len = property(lambda self: self.runner.max_seq_len)
 

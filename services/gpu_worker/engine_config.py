@@ -8,6 +8,7 @@ import torch
 from services.gpu_worker.gemv_option import check_gemv_max_tokens
 from services.gpu_worker.kv_cache import KVCache
 from services.gpu_worker.model.config import ModelConfig
+from services.gpu_worker.quant.apply import METHODS as QUANTIZATION_METHODS
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -76,6 +77,9 @@ class EngineConfig:
     # Ranks of one engine (parallel/): each holds 1/tp of the heads and MLP and of the KV cache. 1: no
     # torch.distributed at all; > 1: the Engine must be built inside a rank (parallel.start_engine / launch).
     tensor_parallel_size: int = 1
+    # None: the weights in the model's dtype; else one of quant/apply.py's METHODS (fp8: W8A8; awq, gptq: INT4
+    # W4A16 quantized on load), applied to every linear layer but the LM head and a MoE router
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -83,6 +87,9 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"not {self.kv_cache_dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or None), "
+                             f"not {self.quantization!r}")
         if self.warmup and self.tensor_parallel_size > 1:
             raise ValueError("warmup runs on a single-rank engine only (tensor-parallel ranks step in lockstep)")
         if self.gemv_max_tokens is not None:

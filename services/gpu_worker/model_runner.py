@@ -47,7 +47,11 @@ class ModelRunner:
         self.tokenizer = loaded.tokenizer
         model_class = architecture_for_type(loaded.config.arch).model_class  # model/registry.py
         self.model = model_class(loaded.config, self.tp).to(device=self.device, dtype=dtype)
-        self.model.load_weights(loaded.state_dict)  # under TP: this rank's slices of the full weights
+        self.num_quantized_layers = self._load_weights(loaded, config.quantization)
+        # what the weights are, for the start-up log: the dtype, or the quantization and where it came from
+        self.weights = str(dtype).removeprefix("torch.") if not self.num_quantized_layers else (
+            f"{loaded.quantization or config.quantization} ({self.num_quantized_layers} linear layers quantized "
+            f"{'as the checkpoint holds them' if loaded.quantization else 'on load'}; the rest {dtype})")
         if owns_weights:  # the loader's copy goes before the KV pool is sized from free memory (alive, it took a
             loaded.state_dict.clear()  # second copy of the weights out of the pool: 16 GB for Llama-3.1-8B in bf16)
             if self.device.type == "cuda":
@@ -82,15 +86,52 @@ class ModelRunner:
         self.device = tp.local_device(self.device)
         return tp
 
+    def _load_weights(self, loaded: LoadedModel, method: str | None) -> int:
+        """The weights into the model (under TP: this rank's slices), quantized where asked (quant/): a quantized
+        checkpoint's layers as published, or every decoder linear layer of a dense one quantized on load → how many
+        layers are quantized."""
+        if loaded.quantization is not None:  # a quantized checkpoint: its own method, whatever was asked
+            if method not in (None, loaded.quantization):
+                raise ValueError(f"the checkpoint is quantized with {loaded.quantization}, not {method}")
+            if self.tp is not None:
+                raise ValueError("a quantized checkpoint cannot be split over tensor-parallel ranks yet")
+            from services.gpu_worker.quant.checkpoint import install_
+
+            quantized = install_(self.model, loaded.quantized_linears)
+            self.model.load_weights({**loaded.state_dict, **quantized})
+            self._use_int4_kernel()
+            return len(loaded.quantized_linears)
+        self.model.load_weights(loaded.state_dict)
+        if method is None:
+            return 0
+        from services.gpu_worker.quant.apply import quantize_linears_
+
+        num_layers = quantize_linears_(self.model, method)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the dense weights the quantized ones replaced
+        self._use_int4_kernel()
+        return num_layers
+
+    def _use_int4_kernel(self) -> None:
+        """On CUDA, INT4 layers run the Triton W4A16 kernel (kernels/w4a16.py), not the dequantizing reference."""
+        if self.device.type == "cuda":
+            from services.gpu_worker.kernels.w4a16 import w4a16_linear
+            from services.gpu_worker.quant.int4 import set_int4_kernel
+
+            set_int4_kernel(lambda x, w: w4a16_linear(x, w.qweight, w.scales, w.zeros, w.group_size))
+
     def _setup_cuda_path(self, config: EngineConfig):
-        """With the Triton backend: fused kernels in the model, and decode CUDA graphs when enabled."""
+        """With the Triton backend: fused kernels in the model, and decode CUDA graphs when enabled. Quantized
+        weights run the model's torch forward (their own GEMMs, quant/) around the Triton attention: the fused forward
+        reads dense weights."""
         gemv_max_tokens = config.resolved_gemv_max_tokens(self.backend.name)
         if self.backend.name != "triton":
             if gemv_max_tokens:
                 raise ValueError(f"gemv_max_tokens needs the Triton attention backend, not {self.backend.name}")
             return None
-        self.model.enable_fused_kernels()
-        self.model.gemv_max_tokens = gemv_max_tokens
+        if not self.num_quantized_layers:
+            self.model.enable_fused_kernels()
+            self.model.gemv_max_tokens = gemv_max_tokens
         if not config.enable_cuda_graphs or self.device.type != "cuda":
             return None
         from services.gpu_worker.cuda_graphs import DecodeGraphs

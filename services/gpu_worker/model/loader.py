@@ -10,7 +10,7 @@ import os
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import transformers
 
+from services.gpu_worker.model.architecture import same_weights
 from services.gpu_worker.model.config import ModelConfig
 from services.gpu_worker.model.llama_family import param_shapes
 from services.gpu_worker.model.presets import preset
@@ -54,6 +55,10 @@ class LoadedModel:
     state_dict: dict[str, torch.Tensor]
     tokenizer: transformers.PreTrainedTokenizerBase | None
     source_dir: str | None
+    # a quantized checkpoint (quant/checkpoint.py): its method, and its quantized layers by module name, which
+    # state_dict leaves out (model_runner.py installs them before loading the rest)
+    quantization: str | None = None
+    quantized_linears: dict[str, Any] = field(default_factory=dict)
 
 
 def load_model(
@@ -140,14 +145,40 @@ def load_hf_dir(
     arch = architecture_for_hf(cfg_dict)
     cfg = arch.config_from_hf(cfg_dict, model_id or model_id_for(path))
     cfg = cfg.with_(eos_token_ids=_merged_eos(cfg.eos_token_ids, path))
-    if arch.accepts_model_layout and param_shapes(cfg).keys() <= _tensor_names(path):
+    method, quantized = _quantized_linears(cfg_dict, cfg, path, dtype, device)
+    dense_shapes = {n: s for n, s in model_shapes(cfg).items() if n.removesuffix(".weight") not in quantized}
+    if quantized:  # same_weights (checked): the checkpoint's names are the model's
+        state_dict = _read_safetensors(path, dense_shapes, dtype, device)
+    elif arch.accepts_model_layout and param_shapes(cfg).keys() <= _tensor_names(path):
         state_dict = _read_safetensors(path, param_shapes(cfg), dtype, device)
     else:
         state_dict = arch.to_model_weights(_read_safetensors(path, arch.checkpoint_shapes(cfg), dtype, device), cfg)
-    _check_shapes(state_dict, model_shapes(cfg), str(path))
+    _check_shapes(state_dict, dense_shapes, str(path))
     has_tokenizer = any((path / f).is_file() for f in _TOKENIZER_FILES)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path) if has_tokenizer else None
-    return LoadedModel(cfg, state_dict, tokenizer, str(path))
+    return LoadedModel(cfg, state_dict, tokenizer, str(path), method, quantized)
+
+
+def _quantized_linears(cfg_dict: dict, cfg: ModelConfig, path: Path, dtype: torch.dtype,
+                       device: str | torch.device) -> tuple[str | None, dict[str, Any]]:
+    """A quantized checkpoint's method and layers (quant/checkpoint.py); (None, {}) for a dense one."""
+    from services.gpu_worker.quant import checkpoint
+
+    method = checkpoint.checkpoint_method(cfg_dict)
+    if method is None:
+        return None, {}
+    arch = architecture_for_hf(cfg_dict)
+    if arch.to_model_weights is not same_weights:
+        raise ValueError(f"{path}: quantized {arch.hf_name} checkpoints are not supported (its loader maps the "
+                         "checkpoint's weights to other names or shapes); quantize its dense checkpoint on load instead")
+    prefixes = checkpoint.quantized_prefixes(_tensor_names(path), method)
+    unknown = sorted(p for p in prefixes if f"{p}.weight" not in model_shapes(cfg))
+    if not prefixes or unknown:
+        raise ValueError(f"{path}: config.json says {method}, but the checkpoint quantizes "
+                         f"{'no layer' if not prefixes else 'layers the model does not have: ' + ', '.join(unknown[:3])}")
+    files = sorted(path.glob("*.safetensors"))
+    return method, checkpoint.read_quantized_linears(files, prefixes, method, checkpoint.group_size_of(cfg_dict),
+                                                     dtype, device)
 
 
 def _merged_eos(eos: tuple[int, ...], path: Path) -> tuple[int, ...]:

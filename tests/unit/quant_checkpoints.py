@@ -1,0 +1,75 @@
+"""Quantized Hugging Face checkpoints written by our own quantizers in the published layouts (AutoAWQ GEMM, GPTQ v1,
+compressed-tensors FP8), and the dense checkpoint each one dequantizes to (tests/unit/test_quant_checkpoint.py,
+tests/e2e/test_quantized_serve.py)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from services.gpu_worker.quant.fp8 import dequantize_fp8, quantize_weight_fp8
+from services.gpu_worker.quant.int4 import dequantize_int4, from_awq, from_gptq, quantize_int4, to_awq, to_gptq
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+QUANTIZATION_CONFIGS = {
+    "awq": lambda g: {"quant_method": "awq", "bits": 4, "group_size": g, "zero_point": True, "version": "gemm"},
+    "gptq": lambda g: {"quant_method": "gptq", "bits": 4, "group_size": g, "desc_act": False, "sym": False,
+                       "checkpoint_format": "gptq"},
+    "fp8": lambda g: {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+                      "config_groups": {"group_0": {
+                          "targets": ["Linear"],
+                          "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "dynamic": False,
+                                      "symmetric": True},
+                          "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
+                                                "dynamic": True, "symmetric": True}}}},
+}
+
+
+def _is_linear(name: str) -> bool:
+    return name.endswith(".weight") and name.split(".")[-2] in LINEARS
+
+
+def write_quantized(dense_dir: Path, out_dir: Path, method: str, group_size: int) -> tuple[Path, Path]:
+    """dense_dir (config.json, one model.safetensors, tokenizer files) → (out_dir: its decoder linears quantized in
+    `method`'s published layout; out_dir.parent / (out_dir.name + "-dequantized"): the same model with each of those
+    layers replaced by the float32 weights the quantized one stands for)."""
+    dequantized_dir = out_dir.parent / f"{out_dir.name}-dequantized"
+    for target in (out_dir, dequantized_dir):
+        shutil.copytree(dense_dir, target, ignore=shutil.ignore_patterns("*.safetensors"))
+    tensors = load_file(str(next(dense_dir.glob("*.safetensors"))))
+    quantized: dict[str, torch.Tensor] = {}
+    dequantized: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if not _is_linear(name):
+            quantized[name] = dequantized[name] = tensor
+            continue
+        prefix = name.removesuffix(".weight")
+        parts, dense = _quantize(tensor.float(), method, group_size)
+        quantized.update({f"{prefix}.{key}": value.contiguous() for key, value in parts.items()})
+        dequantized[name] = dense.to(tensor.dtype)
+    save_file(quantized, str(out_dir / "model.safetensors"))
+    save_file(dequantized, str(dequantized_dir / "model.safetensors"))
+    config = json.loads((dense_dir / "config.json").read_text())
+    (out_dir / "config.json").write_text(json.dumps(
+        {**config, "quantization_config": QUANTIZATION_CONFIGS[method](group_size)}, indent=1))
+    return out_dir, dequantized_dir
+
+
+def _quantize(weight: torch.Tensor, method: str, group_size: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One [N, K] weight → (its checkpoint tensors, the float32 weight they dequantize to, as the loader reads them)."""
+    if method == "fp8":
+        qweight, scale = quantize_weight_fp8(weight)
+        return {"weight": qweight, "weight_scale": scale[:, None]}, dequantize_fp8(qweight, scale)
+    int4 = quantize_int4(weight, group_size)
+    if method == "awq":
+        parts = to_awq(int4)
+        read = from_awq(parts["qweight"], parts["qzeros"], parts["scales"], group_size)
+    else:
+        parts = to_gptq(int4)
+        read = from_gptq(parts["qweight"], parts["qzeros"], parts["scales"], parts["g_idx"], group_size)
+    read.scales, read.zeros = read.scales.float(), read.zeros.float()
+    return parts, dequantize_int4(read).float()
