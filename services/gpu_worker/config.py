@@ -43,8 +43,10 @@ class WorkerConfig:
     quantization: str = field(default="none", metadata={
         "help": "weights: none (the model's dtype), fp8 (W8A8: e4m3 weights with per-channel scales, activations "
                 "per token; half the weight bytes) or awq / gptq (INT4 weight-only in groups of 128, quantized on "
-                "load; a quarter of the weight bytes). Costs in quality and speed: docs/PERFORMANCE.md",
-        "choices": ("none", "fp8", "awq", "gptq")})
+                "load; a quarter of the weight bytes) or gguf (the bundled GGUF's own 4-bit blocks as INT4). A "
+                "quantized checkpoint (AWQ, GPTQ, compressed-tensors FP8) loads as published without this flag. "
+                "Costs in quality and speed: docs/PERFORMANCE.md",
+        "choices": ("none", "fp8", "awq", "gptq", "gguf")})
     gemv_max_tokens: str = field(default="auto", metadata={
         "help": f"CUDA: steps of at most this many tokens (0-{GEMV_MAX_TOKENS_LIMIT}) run their matmuls on the Triton "
                 "GEMV instead of cuBLAS (0: never, all on cuBLAS; auto: 1 on a single-GPU worker, which speeds up "

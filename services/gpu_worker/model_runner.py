@@ -16,7 +16,7 @@ from services.gpu_worker.attention import AttentionMetadata, make_backend
 from services.gpu_worker.batch_policy import StepPlan
 from services.gpu_worker.engine_config import BatchingLimits, EngineConfig
 from services.gpu_worker.kv_cache import KVCache, select_pages
-from services.gpu_worker.model.loader import LoadedModel, load_model
+from services.gpu_worker.model.loader import LoadedModel, bundled_gguf_path, load_model
 from services.gpu_worker.model.registry import architecture_for_type
 from services.gpu_worker.prompt_logprobs import (
     PromptLogprobBatch,
@@ -24,7 +24,9 @@ from services.gpu_worker.prompt_logprobs import (
     prompt_logprob_tensors,
     slice_rows,
 )
+from services.gpu_worker.quant.checkpoint import install_
 from services.gpu_worker.staging import to_device
+from shared.model_id import BUNDLED_SPECS
 
 if TYPE_CHECKING:
     from services.gpu_worker.parallel.state import TensorParallelGroup
@@ -40,7 +42,7 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.resolved_device())
         self.tp = self._join_tensor_parallel(config)  # None unless tensor_parallel_size > 1
-        dtype = config.resolved_dtype()
+        dtype = self.model_dtype = config.resolved_dtype()
         owns_weights = loaded is None
         loaded = loaded or load_model(config.model, dtype=dtype, device=self.device, seed=config.seed)
         self.model_config = loaded.config
@@ -49,9 +51,12 @@ class ModelRunner:
         self.model = model_class(loaded.config, self.tp).to(device=self.device, dtype=dtype)
         self.num_quantized_layers = self._load_weights(loaded, config.quantization)
         # what the weights are, for the start-up log: the dtype, or the quantization and where it came from
-        self.weights = str(dtype).removeprefix("torch.") if not self.num_quantized_layers else (
+        dtype_name = str(dtype).removeprefix("torch.")
+        origin = ("as the checkpoint holds them" if loaded.quantization else
+                  "from the GGUF's own 4-bit blocks" if config.quantization == "gguf" else "on load")
+        self.weights = dtype_name if not self.num_quantized_layers else (
             f"{loaded.quantization or config.quantization} ({self.num_quantized_layers} linear layers quantized "
-            f"{'as the checkpoint holds them' if loaded.quantization else 'on load'}; the rest {dtype})")
+            f"{origin}; the rest {dtype_name})")
         if owns_weights:  # the loader's copy goes before the KV pool is sized from free memory (alive, it took a
             loaded.state_dict.clear()  # second copy of the weights out of the pool: 16 GB for Llama-3.1-8B in bf16)
             if self.device.type == "cuda":
@@ -95,12 +100,16 @@ class ModelRunner:
                 raise ValueError(f"the checkpoint is quantized with {loaded.quantization}, not {method}")
             if self.tp is not None:
                 raise ValueError("a quantized checkpoint cannot be split over tensor-parallel ranks yet")
-            from services.gpu_worker.quant.checkpoint import install_
-
             quantized = install_(self.model, loaded.quantized_linears)
             self.model.load_weights({**loaded.state_dict, **quantized})
             self._use_int4_kernel()
             return len(loaded.quantized_linears)
+        if method == "gguf":  # the GGUF file's own 4-bit blocks (quant/gguf_int4.py)
+            linears = self._gguf_linears(loaded)
+            dense = {name: w for name, w in loaded.state_dict.items() if name.removesuffix(".weight") not in linears}
+            self.model.load_weights({**dense, **install_(self.model, linears)})
+            self._use_int4_kernel()
+            return len(linears)
         self.model.load_weights(loaded.state_dict)
         if method is None:
             return 0
@@ -111,6 +120,17 @@ class ModelRunner:
             torch.cuda.empty_cache()  # the dense weights the quantized ones replaced
         self._use_int4_kernel()
         return num_layers
+
+    def _gguf_linears(self, loaded: LoadedModel) -> dict:
+        if self.config.model not in BUNDLED_SPECS:
+            raise ValueError(f"quantization gguf serves the bundled GGUF's own 4-bit blocks; {self.config.model!r} is "
+                             "not the bundled model (fp8, awq or gptq quantize any model on load)")
+        if self.tp is not None:
+            raise ValueError("quantization gguf cannot be split over tensor-parallel ranks yet")
+        from services.gpu_worker.quant.gguf_int4 import gguf_int4_linears
+
+        return {name: linear.to(self.device)
+                for name, linear in gguf_int4_linears(bundled_gguf_path(), loaded.config, self.model_dtype).items()}
 
     def _use_int4_kernel(self) -> None:
         """On CUDA, INT4 layers run the Triton W4A16 kernel (kernels/w4a16.py), not the dequantizing reference."""

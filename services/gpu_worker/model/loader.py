@@ -342,7 +342,7 @@ def gguf_state_dict(reader: Any, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     shapes = param_shapes(cfg)
     state_dict: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
-        name = _hf_name(tensor.name)
+        name = gguf_hf_name(tensor.name)
         w = torch.from_numpy(np.array(gguf.dequantize(tensor.data, tensor.tensor_type), np.float32))
         w = w.reshape(shapes[name])
         if name.endswith("q_proj.weight"):
@@ -354,7 +354,7 @@ def gguf_state_dict(reader: Any, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     return {name: state_dict[name] for name in shapes}
 
 
-def _hf_name(gguf_name: str) -> str:
+def gguf_hf_name(gguf_name: str) -> str:
     if gguf_name in _GGUF_TOP_NAMES:
         return _GGUF_TOP_NAMES[gguf_name]
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
