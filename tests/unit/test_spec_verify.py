@@ -145,3 +145,15 @@ def test_seeded_rows_reproduce_whatever_else_is_in_the_batch() -> None:
     assert runs == [seeded_batch(seed, True)[0] for seed in range(40)]
     assert runs == [seeded_batch(seed, False)[0] for seed in range(40)]
     assert len({tuple(r) for r in runs}) > 1  # the seed matters
+
+
+def test_a_mixed_batch_keeps_each_rows_rule() -> None:
+    """Greedy, draft-distribution and one-hot rows with different k in one batch; the target is nearly certain
+    (token 2 at every position), so the outcome is known: drafts of 2 are kept, the first other draft is replaced."""
+    logits = torch.full((3, 4, 5), -30.0)
+    logits[:, :, 2] = 0.0  # [B, K+1, V]
+    q = torch.full((2, 5), 0.2)
+    rows = [spec_row([2, 2, 1], temperature=0.0), spec_row([2, 4], temperature=1.0, draft_probs=q),
+            spec_row([], temperature=1.0)]
+    outs = verify(logits, rows)
+    assert [(o.num_accepted, o.token_ids) for o in outs] == [(2, [2, 2, 2]), (1, [2, 2]), (0, [2])]
