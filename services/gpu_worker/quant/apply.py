@@ -28,15 +28,22 @@ def quantize_linears_(model: nn.Module, method: str, skip: tuple[str, ...] = ("l
     qualified name is in `skip` or it is an MoE router; returns how many were replaced."""
     if method not in _LINEAR_METHOD:
         raise ValueError(f"unknown quantization {method!r}: one of {METHODS}")
-    targets = [
-        (parent, name, child)
+    targets = linear_targets(model, skip)
+    for _, parent, name, child in targets:
+        setattr(parent, name, QuantizedLinear.from_linear(child, _LINEAR_METHOD[method], group_size))
+    return len(targets)
+
+
+def linear_targets(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)
+                   ) -> list[tuple[str, nn.Module, str, nn.Linear]]:
+    """The nn.Linear layers a quantizer replaces, in module order: (qualified name, parent, name in the parent, the
+    layer) for each one unless a component of its qualified name is in `skip` or it is an MoE router."""
+    return [
+        (f"{parent_name}.{name}" if parent_name else name, parent, name, child)
         for parent_name, parent in model.named_modules()
         for name, child in parent.named_children()
         if isinstance(child, nn.Linear) and not _is_skipped(f"{parent_name}.{name}", parent, name, skip)
     ]
-    for parent, name, child in targets:
-        setattr(parent, name, QuantizedLinear.from_linear(child, _LINEAR_METHOD[method], group_size))
-    return len(targets)
 
 
 def _is_skipped(qualified: str, parent: nn.Module, name: str, skip: tuple[str, ...]) -> bool:

@@ -1,0 +1,143 @@
+"""Calibrated INT4 quantization: GPTQ (Frantar et al. 2022, "GPTQ: Accurate Post-Training Quantization for
+Generative Pre-trained Transformers"), written from the paper's algorithm.
+
+Per linear layer y = x Wᵀ with calibration inputs X [T, K], the layer's output error ‖X Wᵀ − X Ŵᵀ‖² is a quadratic
+in each row of W with Hessian H = 2 XᵀX. The columns of W are quantized one at a time, left to right; each column's
+rounding error, divided by the matching diagonal entry of the upper Cholesky factor U of H⁻¹, is spread onto the
+not-yet-quantized columns through that row of U, so they absorb what the rounding lost. Updates are applied lazily
+in blocks of columns (the paper's batching: exact, only faster). H gets λ = damp · mean(diag H) added to its diagonal
+first; an input feature that was never nonzero (diag H = 0) gets diag 1 and its weights zeroed (nothing ever reads
+them).
+
+The grid is quantize_int4's asymmetric one (range [min(w, 0), max(w, 0)], 15 steps, integer zero point), per group of
+G consecutive processed columns; a group's scale and zero are fixed when the quantizer reaches its first column, from
+the columns as the error feedback has left them by then. The result is an ordinary Int4Weight: dequantize_int4 and
+int4_linear read it unchanged.
+
+act_order processes the input features by descending diag H (the most-used first, while the most columns remain to
+absorb their error). Groups are then groups of processed columns, so the result carries perm (packed column k holds
+input feature perm[k]); within a group the features are put back in ascending order (a group's scale and zero do not
+depend on the order inside it), which is the order GPTQ v1's g_idx reads back in, so to_gptq / from_gptq round trips
+it exactly.
+
+calibrate_gptq_ quantizes a model sequentially, one decoder layer at a time: the Hessians of layer i's linears are
+collected from the model with layers 0..i−1 already quantized (the forward stops once layer i's linears have seen
+their inputs), so each layer corrects the error of those before it.
+"""
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+from services.gpu_worker.quant.apply import linear_targets
+from services.gpu_worker.quant.int4 import Int4Weight, pack_int4, quantize_int4
+from services.gpu_worker.quant.linear import QuantizedLinear, int4_group_size
+from services.gpu_worker.quant.quality import sequence_logits
+
+
+@torch.no_grad()
+def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int = 128, act_order: bool = False,
+                  damp: float = 0.01, block: int = 128) -> Int4Weight:
+    """w: [N, K]; hessian: [K, K] (2 XᵀX of the layer's inputs, any positive scale) → Int4Weight, scales and zeros
+    in w's dtype (as quantize_int4's)."""
+    n, k = w.shape
+    if group_size % 8 or k % group_size:
+        raise ValueError(f"group size {group_size} must be a multiple of 8 dividing K = {k}")
+    weight = w.float().clone()  # [N, K], processed order once permuted
+    h = hessian.double().clone()  # [K, K]
+    dead = torch.diagonal(h) == 0
+    h[dead, dead] = 1.0
+    weight[:, dead] = 0.0
+    perm = torch.argsort(torch.diagonal(h), descending=True, stable=True) if act_order else None
+    if perm is not None:
+        weight, h = weight[:, perm], h[perm][:, perm]
+    h += torch.eye(k, dtype=h.dtype) * damp * torch.diagonal(h).mean()
+    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()  # [K, K]
+
+    block = max(block // group_size, 1) * group_size  # each group inside one block: its grid from updated columns
+    q = torch.zeros(n, k, dtype=torch.int64)
+    scales = torch.zeros(n, k // group_size, dtype=w.dtype)
+    zeros = torch.zeros(n, k // group_size, dtype=w.dtype)
+    for start in range(0, k, block):
+        end = min(start + block, k)
+        cols, u_block = weight[:, start:end], u[start:end, start:end]  # cols: a view, updated in place
+        errors = torch.zeros_like(cols)  # [N, B]
+        for i in range(end - start):
+            column = start + i
+            if column % group_size == 0:
+                grid = quantize_int4(cols[:, i: i + group_size].to(w.dtype), group_size)
+                g = column // group_size
+                scales[:, g], zeros[:, g] = grid.scales[:, 0], grid.zeros[:, 0]
+                scale, zero = scales[:, g].float(), zeros[:, g].float()
+            q[:, column] = ((cols[:, i] / scale).round() + zero).clamp(0, 15).to(torch.int64)
+            error = (cols[:, i] - (q[:, column] - zero) * scale) / u_block[i, i]  # [N]
+            cols[:, i:] -= error[:, None] * u_block[i, i:][None, :]
+            errors[:, i] = error
+        weight[:, end:] -= errors @ u[start:end, end:]
+    if perm is not None:  # ascending input features within each group: v1 g_idx's order
+        within = torch.argsort(perm.reshape(-1, group_size), dim=1)  # [K // G, G]
+        order = (within + torch.arange(0, k, group_size)[:, None]).reshape(k)
+        perm, q = perm[order], q[:, order]
+    return Int4Weight(pack_int4(q), scales, zeros, group_size, perm)
+
+
+class _LayerDone(Exception):
+    """Raised by the hooks once every linear of the layer being calibrated has seen this sequence's inputs."""
+
+
+def layer_groups(targets: list[tuple[str, nn.Module, str, nn.Linear]]
+                 ) -> list[list[tuple[str, nn.Module, str, nn.Linear]]]:
+    """Targets grouped by decoder layer (the qualified name up to its first numeric component, e.g.
+    `model.layers.3`; a name without one is its own group), in module order."""
+    groups: dict[str, list] = defaultdict(list)
+    for target in targets:
+        match = re.match(r"(.*?\.\d+)(\.|$)", target[0])
+        groups[match.group(1) if match else target[0]].append(target)
+    return list(groups.values())
+
+
+def calibrate_gptq_(model: nn.Module, token_batches: list[list[int]], group_size: int = 128,
+                    act_order: bool = False, skip: tuple[str, ...] = ("lm_head",), damp: float = 0.01) -> int:
+    """Replace each nn.Linear that quantize_linears_ would (not `skip`, not an MoE router) by a GPTQ-quantized
+    QuantizedLinear.int4, calibrated on `token_batches` (each one sequence run as sequence_logits runs it), one
+    decoder layer at a time (module docstring); groups of int4_group_size(K, group_size). → how many."""
+    targets = linear_targets(model, skip)
+    for group in layer_groups(targets):
+        hessians: dict[str, torch.Tensor] = {}
+        rows: dict[str, int] = defaultdict(int)
+        seen: set[str] = set()
+
+        def hook(qualified: str):
+            def accumulate(module: nn.Linear, inputs: tuple, output: torch.Tensor) -> None:
+                x = inputs[0].detach().reshape(-1, module.in_features).double()  # [T, K]
+                before, total = rows[qualified], rows[qualified] + x.shape[0]
+                h = hessians.setdefault(qualified, torch.zeros(module.in_features, module.in_features,
+                                                                dtype=torch.float64))
+                h.mul_(before / total).addmm_(x.T, x, alpha=2 / total)  # the running mean of 2 xᵀx
+                rows[qualified] = total
+                seen.add(qualified)
+                if len(seen) == len(group):
+                    raise _LayerDone
+            return accumulate
+
+        handles = [child.register_forward_hook(hook(qualified)) for qualified, _, _, child in group]
+        try:
+            for tokens in token_batches:
+                seen.clear()
+                try:
+                    sequence_logits(model, tokens)
+                except _LayerDone:
+                    pass
+        finally:
+            for handle in handles:
+                handle.remove()
+        for qualified, parent, name, child in group:
+            weight = child.weight.detach()
+            hessian = hessians.get(qualified, torch.eye(child.in_features, dtype=torch.float64))  # never ran: RTN-like
+            quantized = gptq_quantize(weight, hessian, int4_group_size(child.in_features, group_size), act_order, damp)
+            bias = None if child.bias is None else child.bias.detach().clone()
+            setattr(parent, name, QuantizedLinear.int4(quantized, bias))
+    return len(targets)

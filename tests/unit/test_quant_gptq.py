@@ -1,0 +1,82 @@
+"""GPTQ (quant/gptq.py): on correlated inputs its output error beats round-to-nearest's at the same group size, an
+act-order result dequantizes and round-trips the GPTQ v1 layout exactly, and calibrate_gptq_ replaces a tiny
+model's decoder linears layer by layer."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from services.gpu_worker.quant.gptq import calibrate_gptq_, gptq_quantize, layer_groups
+from services.gpu_worker.quant.apply import linear_targets
+from services.gpu_worker.quant.int4 import dequantize_int4, from_gptq, int4_linear, quantize_int4, to_gptq
+from services.gpu_worker.quant.linear import QuantizedLinear
+from services.gpu_worker.quant.quality import sequence_logits
+from tests.unit.test_quant_linear import _TOKENS, _tiny_model
+
+
+def _problem(k: int = 256, n: int = 64, t: int = 2048) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Correlated inputs X [T, K] of uneven scales, weights W [N, K] and H = 2 XᵀX / T."""
+    gen = torch.Generator().manual_seed(0)
+    mix = torch.randn(k, k, generator=gen) / k ** 0.5 + torch.eye(k)
+    x = torch.randn(t, k, generator=gen) @ mix * torch.linspace(0.2, 3, k)
+    return x, torch.randn(n, k, generator=gen), 2 * x.T @ x / t
+
+
+def _output_error(x: torch.Tensor, w: torch.Tensor, approx: torch.Tensor) -> float:
+    return ((x @ w.T - x @ approx.T).norm() / (x @ w.T).norm()).item()
+
+
+def test_gptq_beats_round_to_nearest_on_the_layer_output() -> None:
+    x, w, h = _problem()
+    for group_size in (32, 64, 128):
+        rtn = _output_error(x, w, dequantize_int4(quantize_int4(w, group_size)))
+        for act_order in (False, True):
+            gptq = _output_error(x, w, dequantize_int4(gptq_quantize(w, h, group_size, act_order)))
+            assert gptq < 0.93 * rtn, (group_size, act_order, gptq, rtn)
+
+
+def test_the_grid_is_quantize_int4s_and_no_input_means_rtn() -> None:
+    _, w, _ = _problem()
+    plain = gptq_quantize(w, torch.eye(256), 64, block=64)  # H = I: no correlation, nothing to spread
+    rtn = quantize_int4(w, 64)
+    assert torch.equal(plain.qweight, rtn.qweight) and torch.equal(plain.scales, rtn.scales)
+    assert torch.equal(plain.zeros, rtn.zeros) and plain.perm is None
+
+
+def test_act_order_dequantizes_consistently_and_round_trips_gptq_v1_exactly() -> None:
+    x, w, h = _problem()
+    q = gptq_quantize(w.half(), h, 64, act_order=True)
+    assert q.perm is not None and not torch.equal(q.perm, torch.arange(256))
+    assert torch.equal(torch.sort(q.perm).values, torch.arange(256))
+    assert q.scales.dtype == torch.float16
+    dense = dequantize_int4(q)  # [N, K] input-feature order
+    xs = x[:16]
+    expected = xs @ dequantize_int4(_float(q)).T  # [16, N]
+    assert torch.allclose(int4_linear(xs, _float(q)), expected, rtol=1e-4, atol=1e-3)
+    back = from_gptq(**to_gptq(q), group_size=64)
+    for name in ("qweight", "scales", "zeros", "perm"):
+        assert torch.equal(getattr(back, name), getattr(q, name)), name
+    assert torch.equal(dequantize_int4(back), dense)
+
+
+def _float(q):
+    return type(q)(q.qweight, q.scales.float(), q.zeros.float(), q.group_size, q.perm)
+
+
+def test_calibrate_gptq_replaces_every_decoder_linear_layer_by_layer() -> None:
+    model = _tiny_model("tiny-llama")
+    reference = sequence_logits(model, _TOKENS)
+    groups = layer_groups(linear_targets(model))
+    assert [len(g) for g in groups] == [7, 7] and groups[1][0][0].startswith("model.layers.1.")
+    assert calibrate_gptq_(model, [_TOKENS[:40], _TOKENS[20:]], group_size=32, act_order=True) == 14
+    assert not any(isinstance(m, nn.Linear) for name, m in model.named_modules() if name != "lm_head")
+    layer = model.model.layers[1].mlp.down_proj
+    assert isinstance(layer, QuantizedLinear) and layer.group_size == 32 and layer.perm is not None
+    logits = sequence_logits(model, _TOKENS)
+    assert (logits - reference).norm() / reference.norm() < 0.2
+
+
+def test_calibrate_gptq_keeps_the_moe_router_dense() -> None:
+    model = _tiny_model("tiny-qwen3-moe")
+    assert calibrate_gptq_(model, [_TOKENS]) == 11
+    assert all(isinstance(m, nn.Linear) for name, m in model.named_modules() if name.endswith("mlp.gate"))
