@@ -4,12 +4,18 @@ agreement and KL divergence against the float32 model, for FP8 W8A8 and INT4 W4A
 The text is the docstrings of Python standard library modules (deterministic for one Python version, English prose
 with code in it), tokenized and cut into windows that are scored independently; every variant reads the same
 windows. INT4 appears twice: round-to-nearest with the scales kept in float32, and the same weights written to the
-AutoAWQ checkpoint layout and read back (fp16 scales), which is what a served AWQ-layout model computes.
+AutoAWQ checkpoint layout and read back (fp16 scales), which is what a served AWQ-layout model computes. GPTQ
+(quant/gptq.py, sequential layer by layer, with and without act-order) is calibrated on --calibration-tokens tokens of
+the docstrings of CALIBRATION_MODULES, other stdlib modules than the scored ones, in windows of --window. The GGUF
+variant is what `serve --quantization gguf` runs: the bundled file's own Q4_1 blocks as INT4 layers.
 
 Caveat: the bundled weights were themselves dequantized from a Q4_1 GGUF (4-bit, blocks of 32), so INT4 here
 re-quantizes weights that already sit on a 4-bit grid of finer blocks; on a bf16 checkpoint the INT4 loss can differ.
+For the same reason the GGUF variant's weights are exactly the float32 model's (its blocks dequantized): ~0 % by
+construction, not a measure of Q4_1 against a float original.
 
     python -m bench.quant_quality --out bench/results/quant_quality_cpu.json
+    python -m bench.quant_quality --variants int4_gptq int4_gguf --merge --out ...   # re-run some, keep the rest
 """
 from __future__ import annotations
 
@@ -26,10 +32,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.gpu_worker.model.loader import LoadedModel, load_bundled
+from services.gpu_worker.model.loader import LoadedModel, bundled_gguf_path, load_bundled
 from services.gpu_worker.model.registry import architecture_for_type
 from services.gpu_worker.quant.apply import quantize_linears_
+from services.gpu_worker.quant.checkpoint import install_
 from services.gpu_worker.quant.fp8 import dequantize_fp8, quantize_weight_fp8
+from services.gpu_worker.quant.gguf_int4 import gguf_int4_linears
+from services.gpu_worker.quant.gptq import calibrate_gptq_
 from services.gpu_worker.quant.int4 import from_awq, to_awq
 from services.gpu_worker.quant.linear import QuantizedLinear
 from services.gpu_worker.quant.quality import perplexity, sequence_logits, top1_agreement
@@ -40,19 +49,28 @@ VARIANTS = {
     "int4_rtn": "INT4 W4A16 round-to-nearest, asymmetric, groups of --group-size (gcd with K), float32 scales",
     "int4_awq_layout": "int4_rtn written to the AutoAWQ GEMM layout and read back (fp16 scales): what is served",
     "int4_rtn_g32": "diagnostic: int4_rtn with groups of 32",
+    "int4_gptq": "INT4 W4A16 GPTQ (quant/gptq.py), sequential per decoder layer, groups as int4_rtn, float32 scales, "
+                 "calibrated on other stdlib modules' docstrings (CALIBRATION_MODULES)",
+    "int4_gptq_act_order": "int4_gptq processing input features by descending Hessian diagonal (act-order, perm)",
+    "int4_gguf": "the bundled GGUF's own Q4_1 blocks (groups of 32) as INT4 layers, as `--quantization gguf` serves; "
+                 "the float32 model is these blocks dequantized, so ~0 by construction",
 }
-TARGETS = {"fp8": 0.02, "int4_awq_layout": 0.10}  # issue 25's perplexity increase allowed over float32
+TARGETS = {"fp8": 0.02, "int4_awq_layout": 0.10, "int4_gptq": 0.10, "int4_gptq_act_order": 0.10}  # issue 25's perplexity increase allowed over float32
 
 MODULES = ("json", "collections", "functools", "itertools", "textwrap", "argparse", "re", "string", "pathlib",
            "dataclasses", "heapq", "bisect", "contextlib", "datetime", "fractions", "statistics", "random",
            "logging", "subprocess", "typing", "enum", "abc", "shutil", "tempfile", "csv", "difflib", "inspect")
+CALIBRATION_MODULES = ("os", "pickle", "zipfile", "tarfile", "configparser", "threading", "calendar", "shlex",
+                       "pprint", "copy", "queue", "smtplib", "ftplib", "uuid", "gettext", "ipaddress", "mimetypes",
+                       "base64", "glob", "fnmatch", "optparse", "socketserver", "codecs", "numbers", "sched")
+"""GPTQ's calibration text: none of MODULES."""
 
 
-def stdlib_text(min_chars: int) -> str:
-    """The docstrings of MODULES and of the classes and functions each defines (sorted by name), joined by blank
+def stdlib_text(min_chars: int, modules: tuple[str, ...] = MODULES) -> str:
+    """The docstrings of `modules` and of the classes and functions each defines (sorted by name), joined by blank
     lines, until at least min_chars characters."""
     parts: list[str] = []
-    for module_name in MODULES:
+    for module_name in modules:
         module = importlib.import_module(module_name)
         members = [getattr(module, name) for name in sorted(vars(module)) if not name.startswith("_")]
         for obj in [module, *(m for m in members if inspect.getmodule(m) is module)]:
@@ -62,6 +80,12 @@ def stdlib_text(min_chars: int) -> str:
             if sum(map(len, parts)) >= min_chars:
                 return "\n\n".join(parts)
     return "\n\n".join(parts)
+
+
+def token_windows(loaded: LoadedModel, text: str, tokens: int, window: int) -> list[list[int]]:
+    """The first `tokens` tokens of `text` cut into whole windows of `window`."""
+    ids = loaded.tokenizer(text, add_special_tokens=False)["input_ids"][:tokens]
+    return [ids[i: i + window] for i in range(0, len(ids) - window + 1, window)]
 
 
 def build_model(loaded: LoadedModel) -> nn.Module:
@@ -89,11 +113,19 @@ def fp8_weights_only_(model: nn.Module) -> int:
     return len(linears)
 
 
-def quantized(loaded: LoadedModel, variant: str, group_size: int) -> tuple[nn.Module, int]:
-    """A fresh model of `loaded` quantized as VARIANTS[variant] says, and how many linears that changed."""
+def quantized(loaded: LoadedModel, variant: str, group_size: int,
+              calibration: list[list[int]] | None = None) -> tuple[nn.Module, int]:
+    """A fresh model of `loaded` quantized as VARIANTS[variant] says (GPTQ on the `calibration` windows), and how
+    many linears that changed."""
     model = build_model(loaded)
     if variant == "fp8_weights_only":
         return model, fp8_weights_only_(model)
+    if variant.startswith("int4_gptq"):
+        if not calibration:
+            raise ValueError(f"{variant} needs calibration windows")
+        return model, calibrate_gptq_(model, calibration, group_size, act_order=variant.endswith("act_order"))
+    if variant == "int4_gguf":
+        return model, len(install_(model, gguf_int4_linears(bundled_gguf_path(), loaded.config, torch.float32)))
     method = "fp8" if variant == "fp8" else "awq"
     replaced = quantize_linears_(model, method, group_size=32 if variant == "int4_rtn_g32" else group_size)
     if variant == "int4_awq_layout":
@@ -132,23 +164,31 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192, help="tokens scored in all")
     parser.add_argument("--window", type=int, default=512, help="tokens per independently scored window")
     parser.add_argument("--group-size", type=int, default=128, help="INT4 group size asked for (gcd with K used)")
+    parser.add_argument("--calibration-tokens", type=int, default=2048, help="GPTQ calibration tokens in all")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--merge", action="store_true", help="keep --out's other variants' results")
     parser.add_argument("--out", default=None, help="JSON result path")
     args = parser.parse_args()
     torch.manual_seed(0)
     loaded = load_bundled(dtype=torch.float32)
-    ids = loaded.tokenizer(stdlib_text(args.tokens * 8), add_special_tokens=False)["input_ids"][: args.tokens]
-    windows = [ids[i: i + args.window] for i in range(0, len(ids) - args.window + 1, args.window)]
+    windows = token_windows(loaded, stdlib_text(args.tokens * 8), args.tokens, args.window)
+    calibration = token_windows(loaded, stdlib_text(args.calibration_tokens * 8, CALIBRATION_MODULES),
+                                args.calibration_tokens, args.window)
 
     base, reference = measure(build_model(loaded), windows, None)
     results = {"float32": base}
-    for name in VARIANTS:
-        model, replaced = quantized(loaded, name, args.group_size)
+    for name in args.variants:
+        start = time.perf_counter()
+        model, replaced = quantized(loaded, name, args.group_size, calibration)
+        quantize_seconds = time.perf_counter() - start
         result, _ = measure(model, windows, reference)
         result["perplexity_vs_float"] = round(result["perplexity"] / base["perplexity"] - 1, 4)
         if name in TARGETS:
             result["target_perplexity_vs_float"] = TARGETS[name]
             result["within_target"] = result["perplexity_vs_float"] <= TARGETS[name]
         result["linears_quantized"] = replaced
+        if name.startswith("int4_gptq"):
+            result["calibration_seconds"] = round(quantize_seconds, 2)
         if name.startswith("int4"):
             result["group_size_by_in_features"] = group_sizes(model)
         results[name] = result
@@ -159,7 +199,15 @@ def main() -> None:
               "hardware": platform.processor() or platform.machine(), "python": platform.python_version(),
               "torch": torch.__version__, "text": f"docstrings of {len(MODULES)} stdlib modules",
               "tokens_scored": sum(len(w) for w in windows), "windows": len(windows), "window": args.window,
+              "calibration_text": f"docstrings of {len(CALIBRATION_MODULES)} other stdlib modules: "
+                                  + ", ".join(CALIBRATION_MODULES),
+              "calibration_tokens": sum(len(w) for w in calibration),
               "lm_head": "dense (tied embedding)", "variants": VARIANTS, "results": results}
+    if args.merge and args.out:
+        with open(args.out) as f:
+            kept = json.load(f)["results"]
+        report["results"] = {**{k: v for k, v in kept.items() if k in VARIANTS}, **results}
+        report["rerun"] = f"float32 and {', '.join(args.variants)} at {commit}; the others as measured before"
     print(json.dumps(report, indent=2))
     if args.out:
         with open(args.out, "w") as f:

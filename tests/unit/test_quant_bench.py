@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from bench.quant_quality import (VARIANTS, build_model, fp8_weights_only_, group_sizes, measure, quantized,
-                                 stdlib_text, through_awq_layout_)
+from bench.quant_quality import (CALIBRATION_MODULES, MODULES, VARIANTS, build_model, fp8_weights_only_, group_sizes,
+                                 measure, quantized, stdlib_text, through_awq_layout_)
 from services.gpu_worker.model.loader import load_model
 from services.gpu_worker.quant.apply import quantize_linears_
 from services.gpu_worker.quant.fp8 import FP8_MAX
@@ -19,6 +19,9 @@ def test_the_text_is_deterministic_stdlib_prose() -> None:
     text = stdlib_text(5000)
     assert len(text) >= 5000 and text == stdlib_text(5000)
     assert text.startswith("JSON (JavaScript Object Notation)")
+    assert not set(CALIBRATION_MODULES) & set(MODULES)
+    calibration = stdlib_text(5000, CALIBRATION_MODULES)
+    assert len(calibration) >= 5000 and not set(calibration.split("\n\n")) & set(text.split("\n\n"))
 
 
 def test_the_awq_layout_round_trip_keeps_an_fp16_exact_model_and_the_measures_compare() -> None:
@@ -41,13 +44,14 @@ def test_the_awq_layout_round_trip_keeps_an_fp16_exact_model_and_the_measures_co
 
 def test_every_variant_builds_and_fp8_weights_only_rounds_the_weights_in_place() -> None:
     loaded = load_model("random:tiny-llama", dtype=torch.float32)
-    for variant in VARIANTS:
-        model, changed = quantized(loaded, variant, 128)
+    for variant in (v for v in VARIANTS if v != "int4_gguf"):  # the GGUF's blocks fit the bundled model only
+        model, changed = quantized(loaded, variant, 128, calibration=_WINDOWS)
         assert changed == 14, variant
         layer = model.model.layers[1].mlp.down_proj
         assert isinstance(layer, torch.nn.Linear) == (variant == "fp8_weights_only")
     assert group_sizes(quantized(loaded, "int4_rtn_g32", 128)[0]) == {"64": 32, "128": 32}
     assert group_sizes(quantized(loaded, "int4_rtn", 128)[0]) == {"64": 64, "128": 128}
+    assert group_sizes(quantized(loaded, "int4_gptq", 128, calibration=_WINDOWS)[0]) == {"64": 64, "128": 128}
     model = build_model(loaded)
     dense = model.model.layers[0].self_attn.q_proj.weight.clone()
     assert fp8_weights_only_(model) == 14
