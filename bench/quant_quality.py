@@ -125,7 +125,9 @@ def quantized(loaded: LoadedModel, variant: str, group_size: int,
             raise ValueError(f"{variant} needs calibration windows")
         return model, calibrate_gptq_(model, calibration, group_size, act_order=variant.endswith("act_order"))
     if variant == "int4_gguf":
-        return model, len(install_(model, gguf_int4_linears(bundled_gguf_path(), loaded.config, torch.float32)))
+        linears = gguf_int4_linears(bundled_gguf_path(), loaded.config, torch.float32)
+        install_(model, linears)
+        return model, len(linears)
     method = "fp8" if variant == "fp8" else "awq"
     replaced = quantize_linears_(model, method, group_size=32 if variant == "int4_rtn_g32" else group_size)
     if variant == "int4_awq_layout":
@@ -203,11 +205,14 @@ def main() -> None:
                                   + ", ".join(CALIBRATION_MODULES),
               "calibration_tokens": sum(len(w) for w in calibration),
               "lm_head": "dense (tied embedding)", "variants": VARIANTS, "results": results}
+    report["measured_at_commit"] = {name: commit for name in results}
     if args.merge and args.out:
         with open(args.out) as f:
-            kept = json.load(f)["results"]
-        report["results"] = {**{k: v for k, v in kept.items() if k in VARIANTS}, **results}
-        report["rerun"] = f"float32 and {', '.join(args.variants)} at {commit}; the others as measured before"
+            kept = json.load(f)
+        merged = {**kept["results"], **results}
+        report["results"] = {name: merged[name] for name in ("float32", *VARIANTS) if name in merged}
+        report["measured_at_commit"] = {name: kept.get("measured_at_commit", {}).get(name, kept["commit"])
+                                        for name in report["results"]} | report["measured_at_commit"]
     print(json.dumps(report, indent=2))
     if args.out:
         with open(args.out, "w") as f:

@@ -59,3 +59,11 @@ def test_every_variant_builds_and_fp8_weights_only_rounds_the_weights_in_place()
     scale = dense.abs().amax(dim=1, keepdim=True) / FP8_MAX
     assert not torch.equal(rounded, dense) and ((rounded - dense).abs() <= dense.abs() / 16 + scale / 1024).all()
     assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
+
+
+def test_the_gguf_variant_installs_the_bundled_files_own_blocks() -> None:
+    from services.gpu_worker.model.loader import load_bundled
+
+    model, changed = quantized(load_bundled(dtype=torch.float32), "int4_gguf", 128)
+    assert changed == 210 and group_sizes(model) == {"576": 32, "1536": 32}
+    assert isinstance(model.model.layers[29].mlp.down_proj, QuantizedLinear)
