@@ -93,22 +93,17 @@ class ModelRunner:
 
     def _load_weights(self, loaded: LoadedModel, method: str | None) -> int:
         """The weights into the model (under TP: this rank's slices), quantized where asked (quant/): a quantized
-        checkpoint's layers as published, or every decoder linear layer of a dense one quantized on load → how many
-        layers are quantized."""
-        if loaded.quantization is not None:  # a quantized checkpoint: its own method, whatever was asked
-            if method not in (None, loaded.quantization):
-                raise ValueError(f"the checkpoint is quantized with {loaded.quantization}, not {method}")
+        checkpoint's layers as published, the bundled GGUF's own 4-bit blocks (`gguf`), or every decoder linear layer
+        of a dense model quantized on load → how many layers are quantized."""
+        if loaded.quantization is not None and method not in (None, loaded.quantization):
+            raise ValueError(f"the checkpoint is quantized with {loaded.quantization}, not {method}")
+        linears = loaded.quantized_linears or (self._gguf_linears(loaded) if method == "gguf" else {})
+        if linears:  # installed first; the dense rest loads around them
             if self.tp is not None:
-                raise ValueError("a quantized checkpoint cannot be split over tensor-parallel ranks yet")
-            quantized = install_(self.model, loaded.quantized_linears)
-            self.model.load_weights({**loaded.state_dict, **quantized})
-            self._use_int4_kernel()
-            return len(loaded.quantized_linears)
-        if method == "gguf":  # the GGUF file's own 4-bit blocks (quant/gguf_int4.py)
-            linears = self._gguf_linears(loaded)
+                raise ValueError(f"{loaded.quantization or method} weights cannot be split over tensor-parallel "
+                                 "ranks yet")
             dense = {name: w for name, w in loaded.state_dict.items() if name.removesuffix(".weight") not in linears}
             self.model.load_weights({**dense, **install_(self.model, linears)})
-            self._use_int4_kernel()
             return len(linears)
         self.model.load_weights(loaded.state_dict)
         if method is None:
@@ -118,27 +113,16 @@ class ModelRunner:
         num_layers = quantize_linears_(self.model, method)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the dense weights the quantized ones replaced
-        self._use_int4_kernel()
         return num_layers
 
     def _gguf_linears(self, loaded: LoadedModel) -> dict:
         if self.config.model not in BUNDLED_SPECS:
             raise ValueError(f"quantization gguf serves the bundled GGUF's own 4-bit blocks; {self.config.model!r} is "
                              "not the bundled model (fp8, awq or gptq quantize any model on load)")
-        if self.tp is not None:
-            raise ValueError("quantization gguf cannot be split over tensor-parallel ranks yet")
         from services.gpu_worker.quant.gguf_int4 import gguf_int4_linears
 
         return {name: linear.to(self.device)
                 for name, linear in gguf_int4_linears(bundled_gguf_path(), loaded.config, self.model_dtype).items()}
-
-    def _use_int4_kernel(self) -> None:
-        """On CUDA, INT4 layers run the Triton W4A16 kernel (kernels/w4a16.py), not the dequantizing reference."""
-        if self.device.type == "cuda":
-            from services.gpu_worker.kernels.w4a16 import w4a16_linear
-            from services.gpu_worker.quant.int4 import set_int4_kernel
-
-            set_int4_kernel(lambda x, w: w4a16_linear(x, w.qweight, w.scales, w.zeros, w.group_size))
 
     def _setup_cuda_path(self, config: EngineConfig):
         """With the Triton backend: fused kernels in the model, and decode CUDA graphs when enabled. Quantized

@@ -1,14 +1,13 @@
 """INT4 W4A16 (services/gpu_worker/quant/int4.py): RTN within scale/2, the AWQ and GPTQ v1 layouts written and read
 back exactly, hand-packed words of known integers (a wrong nibble order or a lost off-by-one fails them), GPTQ
-act-order honoured by reordering, and the dispatch point."""
+act-order honoured by reordering, and CUDA inputs on the Triton kernel."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from services.gpu_worker.quant import int4
 from services.gpu_worker.quant.int4 import (Int4Weight, dequantize_int4, from_awq, from_gptq, int4_linear,
-                                            int4_matmul, pack_int4, quantize_int4, set_int4_kernel, to_awq, to_gptq,
+                                            int4_matmul, pack_int4, quantize_int4, to_awq, to_gptq,
                                             unpack_int4)
 
 
@@ -168,19 +167,13 @@ def test_int4_linear_is_the_dequantized_matmul_and_close_to_the_float_one() -> N
     assert int4_linear(x.bfloat16(), q).dtype == torch.bfloat16
 
 
-def test_the_registered_kernel_serves_cuda_inputs_only() -> None:
-    calls = []
-
-    def kernel(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
-        calls.append(x.shape)
-        return torch.zeros(x.shape[0], w.out_features, dtype=x.dtype, device=x.device)
-
-    q = quantize_int4(torch.randn(8, 64), group_size=32)
-    x = torch.randn(2, 64)
-    set_int4_kernel(kernel)
-    try:
-        assert torch.allclose(int4_matmul(x, q), x @ dequantize_int4(q).t(), atol=1e-5)
-        assert calls == [] and int4._cuda_kernel is kernel
-    finally:
-        set_int4_kernel(None)
-    assert int4._cuda_kernel is None
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_inputs_take_the_triton_kernel_and_match_the_reference() -> None:
+    q = quantize_int4(torch.randn(256, 512), group_size=128)
+    q = Int4Weight(q.qweight.cuda(), q.scales.cuda().bfloat16(), q.zeros.cuda().bfloat16(), q.group_size)
+    for m in (1, 40):
+        x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
+        want = x.float() @ dequantize_int4(q).float().t()
+        got = int4_matmul(x, q)
+        assert got.dtype == torch.bfloat16 and torch.allclose(got.float(), want, rtol=2e-2, atol=2e-2)

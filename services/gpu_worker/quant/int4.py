@@ -33,7 +33,6 @@ dequantizes within scale/2 of its value.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -122,23 +121,13 @@ def dequantize_int4(w: Int4Weight) -> torch.Tensor:
     return dense if w.perm is None else dense[:, torch.argsort(w.perm)]
 
 
-Int4Kernel = Callable[[torch.Tensor, Int4Weight], torch.Tensor]
-_cuda_kernel: Int4Kernel | None = None
-
-
-def set_int4_kernel(kernel: Int4Kernel | None) -> None:
-    """Plug in the CUDA INT4 GEMM (a Triton kernel module calls this at import): kernel(x, w) with x [M, K]
-    contiguous in the model dtype, already gathered by w.perm, returns x @ dequant(w).T as [M, N] in x's dtype.
-    None: back to the reference path."""
-    global _cuda_kernel
-    _cuda_kernel = kernel
-
-
 def int4_matmul(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
-    """The dispatch point. x: [M, K] (columns in packed order) → [M, N]: the registered kernel on CUDA, else the
-    reference path (dequantize, then one dense GEMM: the engine's CPU path)."""
-    if x.is_cuda and _cuda_kernel is not None:
-        return _cuda_kernel(x.contiguous(), w)
+    """x: [M, K] (columns in packed order) → [M, N]: the Triton W4A16 kernel on CUDA (kernels/w4a16.py, the weight
+    dequantized in registers), else the reference path (dequantize, then one dense GEMM: the engine's CPU path)."""
+    if x.is_cuda:  # imported here: kernel modules load only where Triton runs (kernels/__init__.py)
+        from services.gpu_worker.kernels.w4a16 import w4a16_linear
+
+        return w4a16_linear(x.contiguous(), w.qweight, w.scales, w.zeros, w.group_size)
     return F.linear(x, _dequantize_packed(w).to(x.dtype))
 
 
