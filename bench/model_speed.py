@@ -9,6 +9,10 @@ The kernel shares come from torch.profiler over decode steps (CUDA graph replays
 
 A preset suffixed `:torch_routing` runs the MoE router and expert sort as torch ops (softmax, topk, division; the
 dozen ops of fused_moe.align_by_expert) instead of kernels/moe_routing.py's two launches: the A/B of that lever.
+A preset suffixed `@METHOD` (fp8, awq, gptq) quantizes its linear layers on load, as `serve --quantization METHOD`
+does (issue 25); its roofline counts the quantized weights' bytes (packed words and scales):
+
+    python -m bench.model_speed --presets llama3-8b,llama3-8b@fp8,llama3-8b@awq --out $OUT
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from bench.gpu_suite import JitCompiles, graph_replay_ms, prompts_for, run_timed
 from bench.timing import copy_bandwidth
 
 # kernel-name fragments → family, first match wins (names of the Triton kernels in services/gpu_worker/kernels)
-FAMILIES = (("moe_gemm", "moe grouped GEMM"), ("gemv", "GEMV"), ("decode", "attention"), ("extend", "attention"),
+FAMILIES = (("moe_gemm", "moe grouped GEMM"), ("w4a16", "W4A16 GEMM"), ("gemv", "GEMV"), ("decode", "attention"), ("extend", "attention"),
             ("rope", "attention"), ("rms_norm", "RMSNorm"), ("silu", "SiLU·mul"), ("gemm", "cuBLAS GEMM"),
             ("cutlass", "cuBLAS GEMM"), ("sm90", "cuBLAS GEMM"), ("argmax", "sampling"))
 
@@ -47,7 +51,8 @@ def step_bytes(model, num_tokens: int, context_tokens: int, kv_bytes_per_token: 
     """Bytes a decode step of num_tokens sequences must read: weights (experts: those hit) + their KV."""
     cfg = model.config
     total = 0.0
-    for name, p in model.named_parameters():
+    tensors = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if _is_weight_buffer(n))]
+    for name, p in tensors:
         size = p.numel() * p.element_size()
         if "experts." in name:
             size *= expected_experts_hit(cfg.num_experts, cfg.num_experts_per_tok, num_tokens) / cfg.num_experts
@@ -55,6 +60,11 @@ def step_bytes(model, num_tokens: int, context_tokens: int, kv_bytes_per_token: 
             size = num_tokens * p.shape[1] * p.element_size()  # rows looked up; the LM head is its own matrix
         total += size
     return total + context_tokens * kv_bytes_per_token
+
+
+def _is_weight_buffer(name: str) -> bool:
+    """A quantized linear layer's weight tensors (quant/linear.py keeps them as buffers), not caches or tables."""
+    return name.rsplit(".", 1)[-1] in ("qweight", "weight_scale", "scales", "zeros", "perm", "bias")
 
 
 def kv_bytes_per_token(engine) -> int:
@@ -128,7 +138,7 @@ def variant(name: str):
         moe_routing.route_topk, fused_moe.SMALL_PAIRS = saved
 
 
-def measure(preset: str, copy_tbs: float, jit: JitCompiles, max_num_seqs: int) -> dict:
+def measure(preset: str, copy_tbs: float, jit: JitCompiles, max_num_seqs: int, quantization: str | None) -> dict:
     from services.gpu_worker.engine import Engine
     from services.gpu_worker.engine_config import EngineConfig
     from services.gpu_worker.model.loader import load_model
@@ -136,7 +146,8 @@ def measure(preset: str, copy_tbs: float, jit: JitCompiles, max_num_seqs: int) -
     t0 = time.perf_counter()
     loaded = load_model(f"random:{preset}", dtype=torch.bfloat16, device="cuda", seed=0)
     config = EngineConfig(model=f"random:{preset}", device="cuda", dtype="bfloat16", max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=8192, max_model_len=4096, enable_prefix_cache=False)
+                          max_num_batched_tokens=8192, max_model_len=4096, enable_prefix_cache=False,
+                          quantization=quantization)
     engine = Engine(config, loaded=loaded)
     del loaded
     setup = {"seconds": round(time.perf_counter() - t0, 1), "num_pages": engine.num_pages,
@@ -162,7 +173,7 @@ def measure(preset: str, copy_tbs: float, jit: JitCompiles, max_num_seqs: int) -
         if batch <= max_num_seqs:
             profiles[f"batch_{batch}"] = profile_steps(engine, prompts_for(batch, 512, vocab, 10 + batch), 20, 64)
     total_params = sum(p.numel() for p in engine.model.parameters())
-    result = {"preset": preset, "parameters": total_params, "setup": setup, "batch1_decode": batch1,
+    result = {"preset": preset, "quantization": quantization, "parameters": total_params, "setup": setup, "batch1_decode": batch1,
               "profiles": profiles, "jit_compiles_after": jit.take()}
     del engine
     gc.collect()
@@ -185,9 +196,10 @@ def main() -> int:
               "copy_tb_s": round(copy_tbs, 3), "models": {}}
     for spec in args.presets.split(","):
         preset, _, variant_name = spec.partition(":")
+        preset, _, method = preset.partition("@")
         try:
             with variant(variant_name):
-                record["models"][spec] = measure(preset, copy_tbs, jit, args.max_num_seqs)
+                record["models"][spec] = measure(preset, copy_tbs, jit, args.max_num_seqs, method or None)
         except Exception as exc:  # one model's failure must not lose the others' figures
             record["models"][spec] = {"error": f"{type(exc).__name__}: {exc}"}
             gc.collect()
