@@ -34,7 +34,12 @@ def quantize_weight_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_activation_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [M, K] → (qx e4m3 [M, K], scale float32 [M, 1]), dynamic per token."""
+    """x: [M, K] → (qx e4m3 [M, K], scale float32 [M, 1]), dynamic per token: on CUDA one Triton launch
+    (kernels/fp8_quant.py, the same bits), elsewhere the torch ops."""
+    if x.is_cuda:  # imported here: kernel modules load only where Triton runs (kernels/__init__.py)
+        from services.gpu_worker.kernels.fp8_quant import quantize_rows_fp8
+
+        return quantize_rows_fp8(x.contiguous())
     qx, scale = _scaled_rows(x)
     return qx, scale[:, None]
 
