@@ -53,7 +53,7 @@ def step_bytes(model, num_tokens: int, context_tokens: int, kv_bytes_per_token: 
     total = 0.0
     tensors = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if _is_weight_buffer(n))]
     for name, p in tensors:
-        size = p.numel() * p.element_size()
+        size = p.numel() * p.element_size()  # each tensor once: fused q/k/v and gate/up are views, not listed
         if "experts." in name:
             size *= expected_experts_hit(cfg.num_experts, cfg.num_experts_per_tok, num_tokens) / cfg.num_experts
         elif name.endswith("embed_tokens.weight") and not cfg.tie_word_embeddings:

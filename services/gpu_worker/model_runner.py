@@ -125,17 +125,15 @@ class ModelRunner:
                 for name, linear in gguf_int4_linears(bundled_gguf_path(), loaded.config, self.model_dtype).items()}
 
     def _setup_cuda_path(self, config: EngineConfig):
-        """With the Triton backend: fused kernels in the model, and decode CUDA graphs when enabled. Quantized
-        weights run the model's torch forward (their own GEMMs, quant/) around the Triton attention: the fused forward
-        reads dense weights."""
+        """With the Triton backend: fused kernels in the model (quantized layers run their own GEMMs inside it:
+        model/fused.py), and decode CUDA graphs when enabled."""
         gemv_max_tokens = config.resolved_gemv_max_tokens(self.backend.name)
         if self.backend.name != "triton":
             if gemv_max_tokens:
                 raise ValueError(f"gemv_max_tokens needs the Triton attention backend, not {self.backend.name}")
             return None
-        if not self.num_quantized_layers:
-            self.model.enable_fused_kernels()
-            self.model.gemv_max_tokens = gemv_max_tokens
+        self.model.enable_fused_kernels()
+        self.model.gemv_max_tokens = gemv_max_tokens  # dense projections and the LM head; quantized ones never
         if not config.enable_cuda_graphs or self.device.type != "cuda":
             return None
         from services.gpu_worker.cuda_graphs import DecodeGraphs

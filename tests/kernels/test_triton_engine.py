@@ -74,7 +74,7 @@ def _tiny_gemma2(dtype: torch.dtype = torch.float32, device: str = "cpu") -> Loa
     return LoadedModel(cfg, state, None, None)
 
 
-def _interpreter_runs(name: str, loaded: LoadedModel, setup=None) -> None:
+def _interpreter_runs(name: str, loaded: LoadedModel, setup=None, **overrides) -> None:
     """Three short prompts, 4 greedy tokens each, 8-token steps (mixed steps), on the torch backend then on the
     Triton path (the model fused there; setup(engine) before generating): the same tokens, logprobs to 1e-4."""
     prompts = _prompts(loaded.config.vocab_size, 3, 14)
@@ -82,7 +82,7 @@ def _interpreter_runs(name: str, loaded: LoadedModel, setup=None) -> None:
     runs = []
     for backend in ("torch", "triton"):
         config = EngineConfig(model=name, device=DEVICE, dtype="float32", num_pages=64, page_size=16,
-                              attention_backend=backend, max_num_batched_tokens=8)
+                              attention_backend=backend, max_num_batched_tokens=8, **overrides)
         engine = Engine(config, loaded=loaded)
         assert engine.backend.name == backend and engine.model.is_fused == (backend == "triton")
         if setup is not None:
@@ -100,6 +100,30 @@ def test_gemma2_triton_engine_equals_torch_cpu_interpreter():
     if torch.cuda.is_available():
         pytest.skip("interpreter (CPU) only")
     _interpreter_runs("tiny-gemma2", _tiny_gemma2())  # model/gemma2_fused.py on the Triton path
+
+
+@pytest.mark.parametrize("quantization", ["fp8", "awq"])
+def test_quantized_layers_on_the_fused_forward_cpu_interpreter(quantization):
+    """Quantized on load, the fused forward runs q/k/v and gate/up as one quantized layer each (their buffers views
+    of it: no second copy) and o/down_proj whole, and gives the torch forward's tokens on the same quantized
+    weights."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter (CPU) only")
+    fused_layers = []
+
+    def setup(engine):
+        if engine.model.is_fused:
+            attn, mlp = engine.model.model.layers[0].self_attn, engine.model.model.layers[0].mlp
+            for fused, first in ((attn.qkv_weight, attn.q_proj), (mlp.gate_up_weight, mlp.gate_proj)):
+                assert fused.method == first.method == ("fp8" if quantization == "fp8" else "int4")
+                assert fused.qweight.untyped_storage().data_ptr() == first.qweight.untyped_storage().data_ptr()
+            assert attn.qkv_weight.out_features == attn.q_proj.out_features + 2 * attn.k_proj.out_features
+            assert "qkv_weight" not in dict(engine.model.named_modules(remove_duplicate=False))
+            fused_layers.append(engine.runner.num_quantized_layers)
+
+    _interpreter_runs("tiny-llama", load_model("random:tiny-llama", dtype=torch.float32, seed=1), setup,
+                      quantization=quantization)
+    assert fused_layers and fused_layers[0] > 0
 
 
 def test_windowed_mistral_on_the_fused_forward_cpu_interpreter():

@@ -14,7 +14,11 @@ Under tensor parallelism (model.tp set) the projections hold this rank's heads a
 o_proj and down_proj outputs are summed over the ranks before the next RMSNorm+residual.
 
 A mixture-of-experts layer (Mixtral, Qwen3-MoE) keeps its own MLP module (model/moe.py: the router, then the fused
-Triton MoE kernel on CUDA) between the same Triton norms; its attention is fused as above."""
+Triton MoE kernel on CUDA) between the same Triton norms; its attention is fused as above.
+
+Quantized linear layers (quant/linear.py's QuantizedLinear: FP8 W8A8, INT4 W4A16) run their own GEMMs in the same
+places: q/k/v and gate/up are concatenated into one quantized layer each (one activation quantization and one GEMM
+instead of three or two), and every projection calls the layer, never the dense GEMV or split-K."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -40,20 +44,37 @@ SPLIT_K_PARTS = 4
 SPLIT_K_MAX_TOKENS = 32
 
 
+Projection = torch.Tensor | nn.Module  # a dense weight [N, K], or a quantized layer that computes x Wᵀ (+ b) itself
+
+
 def fuse_projections(model: nn.Module) -> None:
     """Concatenate q/k/v (and gate/up) weights into one matrix each; the original parameters become views
-    of it, so no memory is doubled and the HF parameter names still address the same numbers."""
+    of it, so no memory is doubled and the HF parameter names still address the same numbers. Quantized layers are
+    concatenated into one QuantizedLinear the same way (_concat_quantized)."""
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
-        attn.qkv_weight = _concat(qkv, "weight")  # [(H + 2 KVH) * D, hidden]
-        attn.qkv_bias = _concat(qkv, "bias") if attn.q_proj.bias is not None else None
-        if not _is_moe(mlp):  # experts are stacked already (model/moe.py)
-            mlp.gate_up_weight = _concat((mlp.gate_proj, mlp.up_proj), "weight")  # [2 I, hidden]
+        if _is_quantized(attn.q_proj):
+            _set_unregistered(attn, "qkv_weight", _concat_quantized(qkv))
+            attn.qkv_bias = None  # inside the quantized layer
+        else:
+            attn.qkv_weight = _concat(qkv, "weight")  # [(H + 2 KVH) * D, hidden]
+            attn.qkv_bias = _concat(qkv, "bias") if attn.q_proj.bias is not None else None
+        if _is_moe(mlp):  # experts are stacked already (model/moe.py)
+            continue
+        gate_up = (mlp.gate_proj, mlp.up_proj)
+        if _is_quantized(mlp.gate_proj):
+            _set_unregistered(mlp, "gate_up_weight", _concat_quantized(gate_up))
+        else:
+            mlp.gate_up_weight = _concat(gate_up, "weight")  # [2 I, hidden]
 
 
 def _is_moe(mlp: nn.Module) -> bool:
     return hasattr(mlp, "experts")
+
+
+def _is_quantized(linear: nn.Module) -> bool:
+    return not isinstance(getattr(linear, "weight", None), torch.Tensor)  # QuantizedLinear keeps buffers instead
 
 
 def _concat(linears: tuple[nn.Linear, ...], name: str) -> torch.Tensor:
@@ -65,6 +86,46 @@ def _concat(linears: tuple[nn.Linear, ...], name: str) -> torch.Tensor:
         param.data = fused[offset: offset + rows]
         offset += rows
     return fused
+
+
+def _set_unregistered(module: nn.Module, name: str, layer: nn.Module) -> None:
+    """module.name = layer without registering it as a child: its buffers are the original layers' own (views), so
+    state_dict() and named_buffers() list each number once, under its checkpoint name."""
+    object.__setattr__(module, name, layer)
+
+
+def _concat_quantized(linears: tuple[nn.Module, ...]) -> nn.Module:
+    """QuantizedLinear layers of one input (q/k/v, gate/up) → one whose output is theirs side by side; each original
+    buffer becomes a view of the fused one. Layers that cannot share one GEMM (different methods, group sizes or
+    INT4 act-order permutations) are run one by one and their outputs concatenated."""
+    from services.gpu_worker.quant.linear import QuantizedLinear
+
+    first = linears[0]
+    same_perm = all((lin.perm is None and first.perm is None) or
+                    (lin.perm is not None and first.perm is not None and torch.equal(lin.perm, first.perm))
+                    for lin in linears) if first.method == "int4" else True
+    if not same_perm or any(lin.method != first.method or lin.group_size != first.group_size for lin in linears):
+        return _Concatenated(linears)
+    names = ("qweight", "weight_scale") if first.method == "fp8" else ("qweight", "scales", "zeros")
+    tensors = {name: _concat(linears, name) for name in names}  # [ΣN, ...] each
+    if first.method == "int4":
+        tensors["perm"] = first.perm
+    some = next((lin.bias for lin in linears if lin.bias is not None), None)
+    bias = None if some is None else torch.cat([
+        lin.bias if lin.bias is not None else some.new_zeros(lin.out_features) for lin in linears])
+    return QuantizedLinear(first.method, first.in_features, sum(lin.out_features for lin in linears), tensors,
+                           bias, first.group_size)
+
+
+class _Concatenated(nn.Module):
+    """Layers of one input whose outputs are concatenated, each running its own GEMM."""
+
+    def __init__(self, linears: tuple[nn.Module, ...]) -> None:
+        super().__init__()
+        self.linears = linears  # a tuple, not a ModuleList: not registered (see _set_unregistered)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([lin(x) for lin in self.linears], dim=-1)
 
 
 def forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
@@ -92,20 +153,27 @@ def forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, 
             h = layer.mlp(x)  # [T, hidden]: routed experts (summed over the TP ranks inside)
             continue
         gate_up = _column_projection(x, layer.mlp.gate_up_weight, None, gemv)  # [T, 2 I] (I: this rank's share)
-        h = _reduce(_row_projection(silu_mul(gate_up), layer.mlp.down_proj.weight, num_parts, gemv), layer.mlp.tp)
+        h = _reduce(_row_projection(silu_mul(gate_up), layer.mlp.down_proj, num_parts, gemv), layer.mlp.tp)
     out, _ = rms_norm(h, model.model.norm.weight, eps, residual)
     return out
 
 
-def _column_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def _column_projection(x: torch.Tensor, weight: Projection, bias: torch.Tensor | None,
                        gemv: bool) -> torch.Tensor:
-    """x [T, K] @ weight [N, K]ᵀ (+ bias) → [T, N] in x's dtype, on cuBLAS or (gemv) the Triton GEMV."""
+    """x [T, K] @ weight [N, K]ᵀ (+ bias) → [T, N] in x's dtype, on cuBLAS or (gemv) the Triton GEMV; a quantized
+    layer runs its own GEMM (its bias inside)."""
+    if isinstance(weight, nn.Module):
+        return weight(x)
     return triton_gemv.gemv(x, weight, bias) if gemv else F.linear(x, weight, bias)
 
 
-def _row_projection(x: torch.Tensor, weight: torch.Tensor, num_parts: int, gemv: bool) -> torch.Tensor:
-    """x [T, K] @ weight [N, K]ᵀ → [T, N]; num_parts > 1: split-K partials [S, T, N] fp32 for rms_norm to sum
-    (whole rows where num_parts does not divide K); on cuBLAS or (gemv) the Triton GEMV."""
+def _row_projection(x: torch.Tensor, linear: nn.Module, num_parts: int, gemv: bool) -> torch.Tensor:
+    """x [T, K] @ linear's weight [N, K]ᵀ → [T, N]; num_parts > 1: split-K partials [S, T, N] fp32 for rms_norm to
+    sum (whole rows where num_parts does not divide K); on cuBLAS or (gemv) the Triton GEMV. A quantized layer runs
+    its own GEMM, whole rows."""
+    if _is_quantized(linear):
+        return linear(x)
+    weight = linear.weight
     if gemv:
         return triton_gemv.gemv(x, weight, parts=1 if x.shape[1] % num_parts else num_parts)
     if num_parts == 1 or x.shape[1] % num_parts:
@@ -136,7 +204,7 @@ def _attention(attn: nn.Module, x: torch.Tensor, positions: torch.Tensor, inv_fr
     else:
         rope_(q, k, positions, inv_freq)
         out = backend.forward(attn.layer, q, k, v, cache, meta, attn.spec)  # [T, H, D]
-    out = _row_projection(out.reshape(num_tokens, num_heads * head_dim), attn.o_proj.weight, num_parts, gemv)
+    out = _row_projection(out.reshape(num_tokens, num_heads * head_dim), attn.o_proj, num_parts, gemv)
     return _reduce(out, attn.tp)
 
 

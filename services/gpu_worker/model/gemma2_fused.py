@@ -38,7 +38,7 @@ def forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, 
         x, residual = gemma_post_norm_add(attn, layer.post_attention_layernorm.weight, residual,
                                           layer.pre_feedforward_layernorm.weight, eps)
         gate_up = _column_projection(x, layer.mlp.gate_up_weight, None, gemv)  # [T, 2 I]
-        mlp = _row_projection(silu_mul(gate_up, gelu=True), layer.mlp.down_proj.weight, 1, gemv)
+        mlp = _row_projection(silu_mul(gate_up, gelu=True), layer.mlp.down_proj, 1, gemv)
         following = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.model.norm.weight
         x, residual = gemma_post_norm_add(mlp, layer.post_feedforward_layernorm.weight, residual, following, eps)
     return x
