@@ -175,14 +175,15 @@ def test_moe_triton_engine_equals_torch_cpu_interpreter(fused_experts):
 
 
 def _eager_and_graphs_follow_torch(name: str, loaded: LoadedModel, num_prompts: int, max_len: int, num_new: int,
-                                   step_tokens: int) -> None:
+                                   step_tokens: int, **overrides) -> None:
     """bf16 on the GPU: the Triton path eager and under CUDA graphs keeps the torch backend's greedy tokens (until a
     near-tie) for at least half of each sequence's new tokens."""
     prompts = _prompts(loaded.config.vocab_size, num_prompts, max_len)
-    ref = _generate(name, loaded, prompts, num_new, "bfloat16", attention_backend="torch")
-    eager = _generate(name, loaded, prompts, num_new, "bfloat16", attention_backend="triton", enable_cuda_graphs=False)
+    ref = _generate(name, loaded, prompts, num_new, "bfloat16", attention_backend="torch", **overrides)
+    eager = _generate(name, loaded, prompts, num_new, "bfloat16", attention_backend="triton", enable_cuda_graphs=False,
+                      **overrides)
     graphs = _generate(name, loaded, prompts, num_new, "bfloat16", attention_backend="triton",
-                       max_num_batched_tokens=step_tokens)
+                       max_num_batched_tokens=step_tokens, **overrides)
     assert _assert_same_greedy(ref, eager, 0.1) >= num_prompts * num_new // 2
     assert _assert_same_greedy(ref, graphs, 0.1) >= num_prompts * num_new // 2
 
@@ -192,6 +193,16 @@ def _eager_and_graphs_follow_torch(name: str, loaded: LoadedModel, num_prompts: 
 def test_gemma2_fused_engine_equals_torch_gpu():
     """Gemma 2's fused forward (model/gemma2_fused.py) in bf16 against its torch forward."""
     _eager_and_graphs_follow_torch("tiny-gemma2", _tiny_gemma2(torch.bfloat16, "cuda"), 16, 40, 16, 64)
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("quantization", ["fp8", "awq"])
+def test_quantized_fused_engine_equals_torch_gpu(quantization):
+    """Quantized on load: the fused forward (one quantized q/k/v and gate/up layer each; torch._scaled_mm or the
+    W4A16 kernel) eager and under graphs against the torch forward's separate quantized layers, in bf16."""
+    loaded = load_model("random:qwen3-0.6b", dtype=torch.bfloat16, device="cuda", seed=1)
+    _eager_and_graphs_follow_torch("qwen3-0.6b", loaded, 16, 200, 16, 256, quantization=quantization)
 
 
 @pytest.mark.gpu
