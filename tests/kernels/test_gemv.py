@@ -31,6 +31,23 @@ def test_gemv_even_k_and_bias():
     _check(5, 24, 128, 1, torch.float32, 1e-5, bias=True, config=g.GemvConfig(16, 32, 4))
 
 
+@pytest.mark.parametrize("num_tokens", [1, 3])
+def test_gemv_of_fp8_weights_applies_each_rows_scale(num_tokens):
+    """e4m3 weights with a float32 scale per row (quant/fp8.py's layout): x @ (weight · scale)ᵀ, x in its own dtype,
+    with a bias; a missing scale would be off by the scales' spread (0.5 to 2 here)."""
+    from services.gpu_worker.quant.fp8 import quantize_weight_fp8
+
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn((num_tokens, 96), generator=gen).to(DEVICE)
+    dense = torch.randn((40, 96), generator=gen) * torch.linspace(0.5, 2.0, 40)[:, None] * 96 ** -0.5
+    qweight, scale = (t.to(DEVICE) for t in quantize_weight_fp8(dense))
+    bias = torch.randn((40,), generator=gen).to(DEVICE)
+    out = g.gemv(x, qweight, bias, config=g.GemvConfig(16, 32, 4), scale=scale)
+    ref = g.gemv_ref(x, qweight, bias, scale=scale)
+    assert out.dtype == x.dtype and rel_err(out, ref) < 1e-5
+    assert rel_err(g.gemv(x, qweight, bias, config=g.GemvConfig(16, 32, 4)), ref) > 0.1
+
+
 def test_gemv_configs_fit_the_shapes_they_serve():
     """Llama-3.1-8B's projections at one token take the H200's measured tiles; every shape's tile is no wider than a
     part of K, and the dot path's has the 16 columns tl.dot needs."""

@@ -11,6 +11,10 @@ across K once at the end; with 2..16 tokens it pads x to 16 rows and uses tl.dot
 dtype (plus the bias, if any); parts > 1 writes the fp32 partials [parts, M, N] that kernels/rms_norm.py sums, as
 model/fused.py's split-K cuBLAS call does.
 
+FP8 weights (quant/fp8.py's e4m3 [N, K] with a float32 scale per row) take the same path with `scale`: the weight
+is widened in registers and each row's dot product multiplied by its scale, x staying in its own dtype (W8A16: at
+one token the bytes are the weight's, and quantizing x would only add error).
+
 Which tile a shape gets: TUNED[(n, k, parts, m_bucket)] where present (measured on the H200), else
 `heuristic_config`.
 """
@@ -68,8 +72,8 @@ def config_for(n: int, k: int, parts: int, num_tokens: int) -> GemvConfig:
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, k_per_part, stride_xm, stride_wn, stride_op, stride_om,
-                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, s_ptr, out_ptr, M, N, k_per_part, stride_xm, stride_wn, stride_op,
+                 stride_om, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr):
     pid_n = tl.program_id(0)
     part = tl.program_id(1)
@@ -102,9 +106,11 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, k_per_part, stride_xm, stri
             w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
                         eviction_policy="evict_first")
             x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc)
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)  # an e4m3 weight widened exactly; else a no-op
     offs_m = tl.arange(0, BLOCK_M)
     mask = (offs_m < M)[:, None] & mask_n[None, :]
+    if HAS_SCALE:
+        acc *= tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + part * stride_op + offs_m[:, None] * stride_om + offs_n[None, :]
@@ -112,9 +118,11 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, k_per_part, stride_xm, stri
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, parts: int = 1,
-         config: GemvConfig | None = None) -> torch.Tensor:
+         config: GemvConfig | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (1 ≤ M ≤ MAX_TOKENS), weight [N, K] → x @ weightᵀ (+ bias): [M, N] in x's dtype, or with parts > 1
-    the fp32 partials [parts, M, N] over `parts` equal slices of K (no bias then; parts must divide K)."""
+    the fp32 partials [parts, M, N] over `parts` equal slices of K (no bias then; parts must divide K).
+
+    scale: float32 [N], each weight row's scale (an e4m3 weight's): x @ (weight · scale)ᵀ."""
     (num_tokens, k), n = x.shape, weight.shape[0]
     if not 1 <= num_tokens <= MAX_TOKENS:
         raise ValueError(f"gemv takes 1 to {MAX_TOKENS} rows, not {num_tokens}")
@@ -122,6 +130,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"gemv: x {tuple(x.shape)}, weight {tuple(weight.shape)}, parts {parts}, "
                          f"bias {bias is not None}: K must match and divide into parts, and partials take no bias")
     assert x.stride(1) == 1 and weight.stride(1) == 1
+    assert scale is None or (scale.dtype == torch.float32 and scale.shape == (n,) and scale.stride(0) == 1)
     cfg = config or config_for(n, k, parts, num_tokens)
     if parts == 1:
         out = torch.empty((num_tokens, n), dtype=x.dtype, device=x.device)
@@ -131,16 +140,19 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         stride_op = out.stride(0)
     k_per_part = k // parts
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), parts)](
-        x, weight, bias if bias is not None else weight, out, num_tokens, n, k_per_part, x.stride(0),
-        weight.stride(0), stride_op, out.stride(-2), HAS_BIAS=bias is not None,
+        x, weight, bias if bias is not None else weight, scale if scale is not None else weight, out, num_tokens, n,
+        k_per_part, x.stride(0), weight.stride(0), stride_op, out.stride(-2), HAS_BIAS=bias is not None,
+        HAS_SCALE=scale is not None,
         BLOCK_M=1 if num_tokens == 1 else MAX_TOKENS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k_per_part % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-             parts: int = 1) -> torch.Tensor:
+             parts: int = 1, scale: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 reference of `gemv`: [M, N] in x's dtype, or the partials [parts, M, N] fp32."""
+    if scale is not None:
+        weight = weight.float() * scale[:, None]
     if parts == 1:
         out = x.float() @ weight.float().t()
         return (out if bias is None else out + bias.float()).to(x.dtype)

@@ -7,7 +7,8 @@ as published (load_compressed_tensors_fp8).
 
 fp8_linear takes torch._scaled_mm where the GPU has FP8 tensor cores (compute capability ≥ 8.9); elsewhere it
 computes the same numbers by dequantizing: the activations are quantized on that path too, so the CPU's result is
-the GPU's up to the accumulation order.
+the GPU's up to the accumulation order. One token on CUDA (batch-1 decode) is the exception: the Triton GEMV reads the
+e4m3 weight against x unquantized (W8A16), the faster and the more exact of the two there.
 """
 from __future__ import annotations
 
@@ -64,8 +65,14 @@ def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tenso
                bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x: [M, K]; qweight: e4m3 [N, K]; weight_scale: float32 [N] → [M, N] in out_dtype (default x's).
 
-    The activations are quantized per token here, on every path."""
+    The activations are quantized per token here (W8A8), except at one token on CUDA: there the Triton GEMV reads the
+    e4m3 weight with x in its own dtype (W8A16, kernels/gemv.py), since the step reads only the weight's bytes and
+    quantizing x would add error and two launches for nothing."""
     out_dtype = out_dtype or x.dtype
+    if x.is_cuda and x.shape[0] == 1 and out_dtype == x.dtype:  # imported here: kernels load only where Triton runs
+        from services.gpu_worker.kernels.gemv import gemv
+
+        return gemv(x.contiguous(), qweight, None if bias is None else bias.to(x.dtype), scale=weight_scale.float())
     qx, sx = quantize_activation_fp8(x)  # [M, K], [M, 1]
     if has_fp8_matmul(x.device) and _scaled_mm_shapes_ok(qx, qweight):
         rowwise = out_dtype == torch.bfloat16 and _capability(x.device.index) >= (9, 0)
