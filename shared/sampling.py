@@ -77,6 +77,9 @@ class SamplingParams(msgspec.Struct, frozen=True):
     prompt_logprobs: Annotated[int | None, Bound(0, MAX_LOGPROBS)] = None
     # Structured output (protocol 7): the output's grammar, built and checked by the gateway (output_constraint.py)
     output_constraint: OutputConstraint | None = None
+    # Speculative decoding (a worker started with --speculative-method): False decodes this request plainly. The
+    # output is the same either way for greedy requests; a body field (a vLLM-style extension)
+    speculative: bool = True
 
     @property
     def is_greedy(self) -> bool:

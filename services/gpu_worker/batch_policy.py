@@ -30,6 +30,9 @@ class ScheduledItem:
     seq: Sequence
     num_new_tokens: int
     is_sampling: bool  # this chunk reaches the end of the sequence: a token is sampled from it
+    # Speculative decoding: the last num_draft_tokens of num_new_tokens are seq.draft_token_ids[:num_draft_tokens],
+    # fed after its last token and scored for verification; their KV stays only where verification accepts them
+    num_draft_tokens: int = 0
 
 
 @dataclass
@@ -94,12 +97,19 @@ class BatchPolicy:
         ordered = sorted(self.running, key=lambda s: (s.num_uncomputed > 1, s.num_uncomputed > self.long_prefill_tokens))
         long_allowance: int | None = None  # set at the first long prompt chunk
         held_back: list[Sequence] = []  # long prompts cut short for the waiting; they get what admission leaves
+        num_spare = budget - sum(1 for s in ordered if s.num_uncomputed == 1)  # for drafts: every decode keeps 1
         for seq in ordered:
             if budget == 0:
                 break
             if seq.status is not SeqStatus.RUNNING or seq.stops_when_resolved:
                 continue  # preempted earlier in this loop, or ends with the token still on the device
             num_new = min(seq.num_uncomputed, budget)
+            num_drafts = 0
+            if seq.draft_token_ids and seq.num_uncomputed == 1:
+                num_drafts = max(0, min(len(seq.draft_token_ids), num_spare, budget - 1))
+                del seq.draft_token_ids[num_drafts:]
+                num_spare -= num_drafts
+                num_new += num_drafts
             if self.is_chunked_prefill and seq.num_uncomputed > self.long_prefill_tokens:
                 if long_allowance is None:
                     long_allowance = budget - self._reserve_for_waiting(budget)
@@ -110,7 +120,7 @@ class BatchPolicy:
                 if num_new == 0:
                     continue
             if self._reserve_or_preempt(seq, num_new, plan, now):
-                plan.items.append(ScheduledItem(seq, num_new, num_new == seq.num_uncomputed))
+                plan.items.append(ScheduledItem(seq, num_new, num_new - num_drafts == seq.num_uncomputed, num_drafts))
                 budget -= num_new
         self._admit_waiting(plan, budget, now)
         if held_back:
@@ -291,15 +301,33 @@ class BatchPolicy:
         seq.num_computed = 0
 
     def advance(self, plan: StepPlan) -> list[Sequence]:
-        """Advance each scheduled sequence past its chunk; returns those that filled a page (to cache)."""
+        """Advance each scheduled sequence past its chunk (not its drafts: see commit_drafts); returns those that
+        filled a page (to cache)."""
         filled = []
         for item in plan.items:
             seq = item.seq
             num_full_before = seq.num_computed // self.page_size
-            seq.num_computed += item.num_new_tokens
+            seq.num_computed += item.num_new_tokens - item.num_draft_tokens
             if seq.num_computed // self.page_size > num_full_before:
                 filled.append(seq)
         return filled
+
+    def commit_drafts(self, seq: Sequence, num_kept: int, now: float) -> None:
+        """Speculative decoding: keep the KV of seq's first num_kept verified drafts (now in token_ids) and roll the
+        rest back: pages past the computed tokens return to the pool (they were reserved for the drafts only and
+        never cached), and a page the kept drafts filled is cached.
+
+            before:  |<-- num_computed -->|d1 d2 d3 d4|       KV written for every draft, pages reserved for all
+            after:   |<-- num_computed + num_kept -->|        (num_kept = 2); later slots are overwritten when reached
+        """
+        num_full_before = seq.num_computed // self.page_size
+        seq.num_computed += num_kept
+        num_needed = -(-seq.num_computed // self.page_size)
+        if len(seq.page_ids) > num_needed:
+            self.pool.free(seq.page_ids[num_needed:])
+            del seq.page_ids[num_needed:]
+        if seq.num_computed // self.page_size > num_full_before:
+            self.cache_computed(seq, now)
 
     def cache_computed(self, seq: Sequence, now: float) -> None:
         """Cache a running sequence's computed full pages (after advance(), once their tokens are known)."""

@@ -22,8 +22,10 @@ from services.gpu_worker.model_runner import ModelRunner
 from services.gpu_worker.prompt_logprobs import PromptLogprobBatch, PromptLogprobs
 from services.gpu_worker.radix_cache import RadixCache
 from services.gpu_worker.request import FinishReason, SamplingParams, TokenLogprob, TokenOutput
-from services.gpu_worker.sampler import SampledBatch, Sampler, SamplingRow, make_generator, needs_history
+from services.gpu_worker.sampler import SampledBatch, Sampler, make_generator, needs_history
 from services.gpu_worker.sequence import SeqStatus, Sequence
+from services.gpu_worker.spec.engine_step import Speculator, make_proposer
+from services.gpu_worker.spec.verify import Verified
 from services.gpu_worker.staging import to_device
 from services.gpu_worker.structured_output import StructuredOutput
 from shared.sampling import check_logit_bias_ids, context_length_error
@@ -88,6 +90,7 @@ class LaunchedStep:
     prompt: PromptLogprobBatch | None = None  # prompt logprobs this step computed
     unsampled: list[Sequence] = field(default_factory=list)  # max_tokens 0: prefilled, they end when it resolves
     early_outputs: list[TokenOutput] | None = None  # read by the next step's launch (see _constrain)
+    verified: list[tuple[Sequence, Verified]] = field(default_factory=list)  # speculative rows, verified already
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,9 @@ class Engine:
         self._num_steps = 0
         self.metrics = EngineMetricsRecorder()
         self.is_overlapped = config.resolved_overlap()
+        self.speculator = None if config.speculative_method is None else Speculator(
+            make_proposer(config.speculative_method), config.num_speculative_tokens,
+            config.speculative_max_batch_size, lambda: self.metrics)
         self._launched: LaunchedStep | None = None
         self.warmup_seconds = self.warm_up() if config.resolved_warmup(self.backend.name) else 0.0
 
@@ -324,9 +330,11 @@ class Engine:
         now = time.monotonic()
         outputs: list[TokenOutput] = []
         previous = self._launched
-        if previous is not None and previous.needs_history:
+        if previous is not None and (previous.needs_history or self._wants_host_tokens()):
             outputs += self._resolve(previous, now)
             previous = self._launched = None
+        if self.speculator is not None:
+            self.speculator.propose(self.policy.running, self.max_seq_len)
         plan = self.policy.schedule(now)
         self._record_admitted(plan, now)
         launched = self._launch(plan, now) if plan.items else None
@@ -336,7 +344,9 @@ class Engine:
             for seq in launched.uncached:  # their newest page ends with a token `previous` just resolved
                 self.policy.cache_computed(seq, now)
         self._launched = launched
-        if launched is not None and not self.is_overlapped:
+        # NOTE: a step that verified drafts is read at once, even in overlap mode: the next plan needs its accepted
+        # counts (how far each sequence's KV got, which pages to keep), so speculating steps do not overlap
+        if launched is not None and (not self.is_overlapped or launched.verified):
             outputs += self._resolve(launched, now)
             self._launched = None
         if plan.items:
@@ -348,6 +358,10 @@ class Engine:
         for seq in plan.admitted:
             if seq.num_preemptions == 0 and seq.num_output_tokens == 0:  # not a re-admission, not a PD import
                 self.metrics.on_first_admission(seq.num_prompt_tokens, seq.num_cached_tokens, now - seq.arrival)
+
+    def _wants_host_tokens(self) -> bool:
+        """Speculation may draft for a sequence whose last token the launched step has not given the host yet."""
+        return self.speculator is not None and self.speculator.wants_host_tokens(self.policy.running)
 
     def _previous_tokens(self) -> torch.Tensor:
         """The launched step's sampled tokens [B_prev] int64, on the device (the host has not read them yet)."""
@@ -362,6 +376,11 @@ class Engine:
         if unsampled:
             ends = [item for item in ends if item.seq.params.max_tokens > 0]
         logits, greedy, prompt = self._forward(plan)
+        verified: list[tuple[Sequence, Verified]] = []
+        if any(item.num_draft_tokens for item in ends):  # speculative rows: verified now; the rest sample below
+            logits, ends, verified = self.speculator.verify(logits, ends)
+        if self.speculator is not None:
+            self.speculator.end_step()
         uncached = []
         for seq in self.policy.advance(plan):
             if seq.num_computed <= seq.num_known_tokens:
@@ -382,7 +401,7 @@ class Engine:
             seqs += group
             rows += [i] * len(group)
         if not seqs:
-            return LaunchedStep(None, [], [], [], uncached, False, prompt, unsampled)
+            return LaunchedStep(None, [], [], [], uncached, False, prompt, unsampled, verified=verified)
         if forks:  # NOTE: without siblings the logit rows are the sampled rows already, in order
             logits, greedy = logits[to_device(rows, torch.long, logits.device)], None
         positions = []
@@ -395,9 +414,9 @@ class Engine:
                                        or seq.num_tokens >= self.max_seq_len)
         if any(seq.matcher is not None for seq in seqs):
             logits, greedy = self._constrain(logits, seqs, now), None
-        sample = self.sampler.launch(logits, [_sampling_row(s) for s in seqs], greedy)
+        sample = self.sampler.launch(logits, [s.sampling_row() for s in seqs], greedy)
         return LaunchedStep(sample, seqs, positions, forks, uncached,
-                            any(needs_history(s.params) for s in seqs), prompt, unsampled)
+                            any(needs_history(s.params) for s in seqs), prompt, unsampled, verified=verified)
 
     def _resolve(self, launched: LaunchedStep, now: float) -> list[TokenOutput]:
         """Read a launched step's tokens: prompt logprobs, stop checks, n > 1 starts, finishes, PD holds, outputs."""
@@ -407,6 +426,8 @@ class Engine:
             launched.prompt.apply()
         outputs = [out for seq in launched.unsampled if seq.finish_reason is None
                    for out in self._finish_unsampled(seq, now)]
+        outputs += [self._apply_verified(seq, result, now) for seq, result in launched.verified
+                    if seq.finish_reason is None]
         if launched.sample is None:
             return outputs
         token_ids, logprobs = launched.sample.resolve()
@@ -433,6 +454,25 @@ class Engine:
                 self._hold(seq, now)
         self.metrics.on_generated(len(live))
         return outputs + [self._output(seq, [t], [lp] if lp is not None else None) for seq, t, lp in live]
+
+    def _apply_verified(self, seq: Sequence, result: Verified, now: float) -> TokenOutput:
+        """A speculative row's tokens (accepted drafts, then the target's own), each checked for a stop in order and
+        those after a stop dropped; the KV of the drafts kept stays, the rest is rolled back."""
+        kept: list[int] = []
+        for token_id in result.token_ids:
+            seq.token_ids.append(token_id)
+            kept.append(token_id)
+            seq.finish_reason = self._stop_reason(seq, token_id, seq.num_tokens)
+            if seq.finish_reason is not None:
+                break
+        logprobs = None if result.logprobs is None else result.logprobs[:len(kept)]
+        if seq.logprobs is not None and logprobs is not None:
+            seq.logprobs.extend(logprobs)
+        self.policy.commit_drafts(seq, min(result.num_accepted, len(kept)), now)
+        if seq.finish_reason is not None:
+            self.policy.finish(seq, now)
+        self.metrics.on_generated(len(kept))
+        return self._output(seq, kept, logprobs)
 
     def _finish_unsampled(self, seq: Sequence, now: float) -> list[TokenOutput]:
         """max_tokens 0: the prompt is computed (its logprobs are in); each of the n samples ends with no token."""
@@ -547,11 +587,3 @@ def _drop_pending(seq: Sequence) -> None:
         del seq.token_ids[-seq.num_pending:]
         seq.num_pending = 0
     seq.stops_when_resolved = False
-
-
-def _sampling_row(seq: Sequence) -> SamplingRow:
-    """The sampler reads token history only for penalties; skip copying it (per step, per row) otherwise."""
-    p = seq.params
-    if p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0:
-        return SamplingRow(p, (), (), seq.generator)
-    return SamplingRow(p, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids, seq.generator)

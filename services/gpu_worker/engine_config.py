@@ -80,6 +80,13 @@ class EngineConfig:
     # None: the weights in the model's dtype; else one of quant/apply.py's METHODS (fp8: W8A8; awq, gptq: INT4
     # W4A16 quantized on load), applied to every linear layer but the LM head and a MoE router
     quantization: str | None = None
+    # Speculative decoding (spec/): None, or "ngram" (prompt lookup: drafts copied from the sequence's own earlier
+    # tokens). Each decoding sequence proposes up to num_speculative_tokens drafts a step (fewer while its drafts are
+    # rejected: spec/adaptive.py), verified in one forward; none while more than speculative_max_batch_size
+    # sequences decode at once. Steps with drafts run eager and are not overlapped.
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 4
+    speculative_max_batch_size: int = 32
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -90,6 +97,8 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or None), "
                              f"not {self.quantization!r}")
+        if self.speculative_method is not None:
+            self._check_speculative()
         if self.warmup and self.tensor_parallel_size > 1:
             raise ValueError("warmup runs on a single-rank engine only (tensor-parallel ranks step in lockstep)")
         if self.gemv_max_tokens is not None:
@@ -98,6 +107,17 @@ class EngineConfig:
             raise ValueError("min_admit_batch must be >= 1 and max_admit_delay_steps >= 0")
         if any(v is not None and v < 1 for v in (self.max_num_batched_tokens, self.max_num_seqs)):
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1 (or None: from the device)")
+
+    def _check_speculative(self) -> None:
+        from services.gpu_worker.spec.engine_step import METHODS
+
+        if self.speculative_method not in METHODS:
+            raise ValueError(f"speculative_method must be one of {', '.join(METHODS)} (or None), "
+                             f"not {self.speculative_method!r}")
+        if self.num_speculative_tokens < 1 or self.speculative_max_batch_size < 1:
+            raise ValueError("num_speculative_tokens and speculative_max_batch_size must be >= 1")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("speculative decoding runs on a single-rank engine only")
 
     def resolved_device(self) -> str:
         if self.device == "auto":

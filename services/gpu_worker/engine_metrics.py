@@ -53,6 +53,11 @@ class EngineMetricsRecorder:
         self.num_generation_tokens = 0
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
+        # speculative decoding (vLLM's spec_decode_*): rows verified with at least one draft, their drafts, and how
+        # many of those the target accepted; mean accepted length per drafted row = 1 + accepted / drafts
+        self.num_spec_drafts = 0
+        self.num_spec_draft_tokens = 0
+        self.num_spec_accepted_tokens = 0
         self.queue_time_s = Histogram(QUEUE_TIME_BOUNDS_S)
         self.step_time_s = Histogram(STEP_TIME_BOUNDS_S)
         self.step_tokens = Histogram(STEP_TOKENS_BOUNDS)
@@ -69,6 +74,12 @@ class EngineMetricsRecorder:
         self.step_tokens.observe(num_tokens)
         self.step_sequences.observe(num_sequences)
         self.step_time_s.observe(step_time_s)
+
+    def on_spec_verified(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """One sequence's drafts verified in a step: num_accepted of its num_draft_tokens were kept."""
+        self.num_spec_drafts += 1
+        self.num_spec_draft_tokens += num_draft_tokens
+        self.num_spec_accepted_tokens += num_accepted
 
     def on_generated(self, num_tokens: int) -> None:
         self.num_generation_tokens += num_tokens

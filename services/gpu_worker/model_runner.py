@@ -144,9 +144,10 @@ class ModelRunner:
 
     def forward(self, plan: StepPlan, previous_tokens: Callable[[], torch.Tensor],
                 ) -> tuple[torch.Tensor, torch.Tensor | None, PromptLogprobBatch | None]:
-        """Run the model over every scheduled chunk → logits of sampling chunks [B_s, V] fp32, their argmax [B_s]
-        when a decode graph computed it (else None), and the prompt logprobs the chunks give (eager steps only: a
-        replayed step is decodes and last prompt tokens, whose logits are no prompt token's).
+        """Run the model over every scheduled chunk → logits of sampling chunks [B_s, V] fp32 (a chunk with drafts has
+        1 + num_draft_tokens rows, in order; such a step runs eager), their argmax [B_s] when a decode graph computed
+        it (else None), and the prompt logprobs the chunks give (eager steps only: a replayed step is decodes and last
+        prompt tokens, whose logits are no prompt token's).
 
         previous_tokens(): the last launched step's sampled tokens on the device, which a chunk's last input takes
         where its sequence has a placeholder (overlap mode: the host has not read them yet)."""
@@ -161,13 +162,14 @@ class ModelRunner:
         for item in plan.items:
             seq, start = item.seq, item.seq.num_computed
             end = start + item.num_new_tokens
-            input_ids.extend(seq.token_ids[start:end])
+            input_ids.extend(seq.token_ids[start:end - item.num_draft_tokens])
+            input_ids.extend(seq.draft_token_ids[:item.num_draft_tokens])  # speculative: scored after the last token
             positions.extend(range(start, end))
             slots.extend(seq.page_ids[p // page_size] * page_size + p % page_size for p in range(start, end))
             query_start.append(query_start[-1] + item.num_new_tokens)
             seq_lens.append(end)
-            if item.is_sampling and seq.params.max_tokens > 0:
-                logit_rows.append(query_start[-1] - 1)
+            if item.is_sampling and seq.params.max_tokens > 0:  # a speculative row: its last token's and drafts'
+                logit_rows.extend(range(query_start[-1] - 1 - item.num_draft_tokens, query_start[-1]))
         # the table's width rounded up to 16 pages: its row stride, a kernel argument, then always divides by 16, and
         # Triton compiles the kernels once instead of once more each time the widest sequence crosses a multiple
         widest = max(len(item.seq.page_ids) for item in plan.items)

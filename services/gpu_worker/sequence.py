@@ -8,6 +8,8 @@ import torch
 
 from services.gpu_worker.prompt_logprobs import PromptLogprobs
 from services.gpu_worker.request import FinishReason, SamplingParams, TokenLogprob
+from services.gpu_worker.sampler import SamplingRow, needs_history
+from services.gpu_worker.spec.adaptive import DraftBudget
 
 
 class SeqStatus(Enum):
@@ -57,6 +59,16 @@ class Sequence:
     # params.prompt_logprobs: filled during prefill (shared with n > 1 siblings); sent once, on the first output
     prompt_logprobs: PromptLogprobs | None = None
     has_sent_prompt_logprobs: bool = False
+    # Speculative decoding (spec/): this step's draft tokens to follow token_ids (never in token_ids: only verified
+    # tokens are), set before scheduling and cleared after the step; and how many to ask for (adaptive k)
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_budget: DraftBudget | None = None
+
+    def sampling_row(self) -> SamplingRow:
+        """The sampler's view; the token history is copied (per step, per row) only for penalties, which read it."""
+        if not needs_history(self.params):
+            return SamplingRow(self.params, (), (), self.generator)
+        return SamplingRow(self.params, self.token_ids[: self.num_prompt_tokens], self.output_token_ids, self.generator)
 
     @property
     def num_tokens(self) -> int:
