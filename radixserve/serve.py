@@ -23,7 +23,8 @@ from shared.config import config_argument
 # Flags serve declares from the services' own config fields (their defaults, choices, help and checks) and passes
 # on unchanged to each child of that service.
 WORKER_FIELDS = ("model", "dtype", "quantization", "num_pages", "kv_cache_dtype", "gemv_max_tokens",
-                 "max_num_batched_tokens", "max_num_seqs", "max_model_len")
+                 "max_num_batched_tokens", "max_num_seqs", "max_model_len", "speculative_method",
+                 "num_speculative_tokens")
 SCHEDULER_FIELDS = ("routing", "pd_policy", "pd_min_prefill_tokens")
 TOKENIZER_FIELDS = ("max_model_len", "trust_message_special_tokens")  # max_model_len: declared as the workers'
 

@@ -47,6 +47,13 @@ class WorkerConfig:
                 "quantized checkpoint (AWQ, GPTQ, compressed-tensors FP8) loads as published without this flag. "
                 "Costs in quality and speed: docs/PERFORMANCE.md",
         "choices": ("none", "fp8", "awq", "gptq", "gguf")})
+    speculative_method: str = field(default="none", metadata={
+        "help": "speculative decoding: none, or ngram (prompt lookup: draft tokens copied from where the sequence's "
+                "last tokens occurred before, verified in one forward; greedy output is unchanged). A request's "
+                "`speculative: false` turns it off for that request", "choices": ("none", "ngram")})
+    num_speculative_tokens: int = field(default=4, metadata={
+        "help": "speculative decoding: most draft tokens a sequence proposes per step (fewer while they are "
+                "rejected)"})
     gemv_max_tokens: str = field(default="auto", metadata={
         "help": f"CUDA: steps of at most this many tokens (0-{GEMV_MAX_TOKENS_LIMIT}) run their matmuls on the Triton "
                 "GEMV instead of cuBLAS (0: never, all on cuBLAS; auto: 1 on a single-GPU worker, which speeds up "
@@ -127,4 +134,6 @@ class WorkerConfig:
                             max_num_seqs=self.max_num_seqs or None, max_model_len=self.max_model_len or None,
                             enable_prefix_cache=self.enable_prefix_cache, seed=self.seed,
                             tensor_parallel_size=self.tensor_parallel_size,
-                            quantization=None if self.quantization == "none" else self.quantization)
+                            quantization=None if self.quantization == "none" else self.quantization,
+                            speculative_method=None if self.speculative_method == "none" else self.speculative_method,
+                            num_speculative_tokens=self.num_speculative_tokens)
