@@ -422,6 +422,10 @@ class EngineMetrics(msgspec.Struct, frozen=True):
     step_time_s: HistogramCounts  # wall time of one engine step
     step_tokens: HistogramCounts  # tokens per engine step
     step_sequences: HistogramCounts  # sequences per engine step
+    # speculative decoding (vLLM's spec_decode_*): sequence-steps that verified drafts, their drafts, those accepted
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
 
 
 class MetricsRequest(msgspec.Struct, frozen=True, tag=True):

@@ -141,7 +141,9 @@ def engine_metrics(engine: Engine) -> EngineMetrics:
         num_prefix_hits=recorder.num_prefix_hits, num_prompt_tokens=recorder.num_prompt_tokens,
         num_generation_tokens=recorder.num_generation_tokens, queue_time_s=recorder.queue_time_s.as_wire(),
         step_time_s=recorder.step_time_s.as_wire(), step_tokens=recorder.step_tokens.as_wire(),
-        step_sequences=recorder.step_sequences.as_wire())
+        step_sequences=recorder.step_sequences.as_wire(), num_spec_drafts=recorder.num_spec_drafts,
+        num_spec_draft_tokens=recorder.num_spec_draft_tokens,
+        num_spec_accepted_tokens=recorder.num_spec_accepted_tokens)
 
 
 class EngineLoop:

@@ -33,6 +33,12 @@ _COUNTERS: list[tuple[str, str, Callable[[EngineMetrics], float]]] = [
      lambda m: m.num_prefix_hits),
     ("radixserve_prompt_tokens", "prompt tokens of sequences admitted", lambda m: m.num_prompt_tokens),
     ("radixserve_generation_tokens", "tokens generated", lambda m: m.num_generation_tokens),
+    ("radixserve_spec_decode_num_drafts", "speculative decoding: sequence-steps that verified draft tokens",
+     lambda m: m.num_spec_drafts),
+    ("radixserve_spec_decode_num_draft_tokens", "speculative decoding: draft tokens verified",
+     lambda m: m.num_spec_draft_tokens),
+    ("radixserve_spec_decode_num_accepted_tokens", "speculative decoding: draft tokens the target accepted",
+     lambda m: m.num_spec_accepted_tokens),
 ]
 _HISTOGRAMS: list[tuple[str, str, Callable[[EngineMetrics], HistogramCounts]]] = [
     ("radixserve_request_queue_time_seconds", "request arrival (tokenizer) to its first engine step",
