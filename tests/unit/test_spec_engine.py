@@ -267,3 +267,26 @@ def test_rejected_drafts_give_their_pages_back_at_once() -> None:
     engine.flush()
     assert num_checked > 0 and engine.metrics.num_spec_accepted_tokens < engine.metrics.num_spec_draft_tokens
     assert engine.pool.num_free == engine.num_pages - 1
+
+
+def test_penalties_and_logit_bias_see_the_drafts_before_each_position() -> None:
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, repetition_penalty=1.3,
+                            frequency_penalty=0.4, logit_bias=((7, 3.0),))
+    prompts = _prompts()
+    want = _outputs(_engine(enable_overlap=False), prompts, params)
+    engine = _spec_engine()
+    engine.speculator.proposer = ReplayProposer({tuple(p): w[0] for p, w in zip(prompts, want)}, 0.7, seed=1)
+    _assert_same(_outputs(engine, prompts, params), want)
+    assert engine.metrics.num_spec_accepted_tokens > 0
+
+
+def test_n_samples_speculate_each_and_reproduce() -> None:
+    params = SamplingParams(max_tokens=20, temperature=0.9, seed=3, n=3, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        engine = _spec_engine()
+        results = engine.generate(_prompts(num=2), params)
+        runs.append([[s.token_ids for s in r.samples] for r in results])
+        _assert_idle(engine)
+    assert runs[0] == runs[1]
+    assert all(len({tuple(t) for t in samples}) > 1 for samples in runs[0])

@@ -1,0 +1,92 @@
+"""`radixserve serve --speculative-method ngram` over HTTP on the bundled SmolLM2-135M: greedy answers (whole and
+streamed, with logprobs, with a stop string) identical to a server without speculation, on an edit-a-passage
+workload where prompt lookup drafts and the target accepts; the spec_decode series on /metrics count them."""
+from __future__ import annotations
+
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from bench.spec_decode import PASSAGES, SYSTEM
+from tests.e2e.conftest import serving
+
+MODEL = "smollm2-135m-instruct"
+
+
+def _messages(code: str, ask: str) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"```python\n{code}```\n\n{ask}"}]
+
+
+def _metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        lines = resp.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{"))
+
+
+@pytest.fixture(scope="module")
+def spec_served(tmp_path_factory) -> Iterator[str]:
+    args = ["--device", "cpu", "--num-pages", "512", "--speculative-method", "ngram", "--num-speculative-tokens", "4"]
+    with serving(args, tmp_path_factory.mktemp("spec") / "serve.log") as url:
+        yield url
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def _answers(url: str, **kwargs) -> list[tuple[str, str, int]]:
+    client = _client(url)
+    out = []
+    for code, ask in PASSAGES:
+        reply = client.chat.completions.create(model=MODEL, messages=_messages(code, ask), temperature=0,
+                                               max_tokens=48, **kwargs)
+        choice = reply.choices[0]
+        logprobs = None if choice.logprobs is None else [round(t.logprob, 3) for t in choice.logprobs.content]
+        out.append((choice.message.content, choice.finish_reason, reply.usage.completion_tokens, logprobs))
+    return out
+
+
+def test_greedy_answers_equal_a_server_without_speculation(served: str, spec_served: str) -> None:
+    before = _metric(spec_served, "radixserve_spec_decode_num_accepted_tokens_total")
+    with_spec = _answers(spec_served, logprobs=True)
+    assert with_spec == _answers(served, logprobs=True)
+    assert all(tokens == 48 for _, _, tokens, _ in with_spec)
+    assert _wait_for_accepted(spec_served, before)
+
+
+def _wait_for_accepted(url: str, before: float) -> bool:
+    """NOTE: engine series come with heartbeats (every 0.5 s)."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if _metric(url, "radixserve_spec_decode_num_accepted_tokens_total") > before:
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def test_streamed_and_stopped_answers_equal_a_server_without_speculation(served: str, spec_served: str) -> None:
+    code, ask = PASSAGES[1]
+    kwargs = dict(model=MODEL, messages=_messages(code, ask), temperature=0, max_tokens=64)
+    texts = []
+    for url in (spec_served, served):
+        stream = _client(url).chat.completions.create(**kwargs, stream=True)
+        texts.append("".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices))
+    assert texts[0] == texts[1]
+    stop = "return []"  # inside the copied code, past its first lines
+    stopped = [_client(url).chat.completions.create(**kwargs, stop=[stop]).choices[0] for url in (spec_served, served)]
+    assert stopped[0].message.content == stopped[1].message.content
+    assert stopped[0].finish_reason == "stop" and stop not in stopped[0].message.content
+
+
+def test_a_request_may_turn_speculation_off(spec_served: str, served: str) -> None:
+    code, ask = PASSAGES[2]
+    kwargs = dict(model=MODEL, messages=_messages(code, ask), temperature=0, max_tokens=24)
+    before = _metric(spec_served, "radixserve_spec_decode_num_drafts_total")
+    off = _client(spec_served).chat.completions.create(**kwargs, extra_body={"speculative": False})
+    assert off.choices[0].message.content == _client(served).chat.completions.create(**kwargs).choices[0].message.content
+    time.sleep(1.2)  # two heartbeats
+    assert _metric(spec_served, "radixserve_spec_decode_num_drafts_total") == before
