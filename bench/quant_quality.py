@@ -20,8 +20,6 @@ construction, not a measure of Q4_1 against a float original.
 from __future__ import annotations
 
 import argparse
-import importlib
-import inspect
 import json
 import math
 import platform
@@ -35,6 +33,9 @@ from torch import nn
 from services.gpu_worker.model.loader import LoadedModel, bundled_gguf_path, load_bundled
 from services.gpu_worker.model.registry import architecture_for_type
 from services.gpu_worker.quant.apply import quantize_linears_
+from services.gpu_worker.quant.awq import scale_activation_aware_
+from services.gpu_worker.quant.calibration import (CALIBRATION_MODULES, ON_LOAD_CALIBRATION_TOKENS, calibration_windows,
+                                                   stdlib_docstrings)
 from services.gpu_worker.quant.checkpoint import install_
 from services.gpu_worker.quant.fp8 import dequantize_fp8, quantize_weight_fp8
 from services.gpu_worker.quant.gguf_int4 import gguf_int4_linears
@@ -44,10 +45,15 @@ from services.gpu_worker.quant.linear import QuantizedLinear
 from services.gpu_worker.quant.quality import perplexity, sequence_logits, top1_agreement
 
 VARIANTS = {
-    "fp8": "FP8 W8A8: e4m3 weights per channel, activations per token (quant/fp8.py)",
+    "fp8": "FP8 W8A8: e4m3 weights per channel rounded to nearest, activations per token (quant/fp8.py)",
     "fp8_weights_only": "diagnostic: FP8-rounded weights, float32 activations",
+    "fp8_gptq": "fp8's format, each e4m3 weight chosen by GPTQ's error feedback, act-order, layer by layer "
+                "(quant/gptq.py gptq_quantize_fp8), calibrated: what `serve --quantization fp8` loads",
     "int4_rtn": "INT4 W4A16 round-to-nearest, asymmetric, groups of --group-size (gcd with K), float32 scales",
-    "int4_awq_layout": "int4_rtn written to the AutoAWQ GEMM layout and read back (fp16 scales): what is served",
+    "int4_awq_layout": "int4_rtn written to the AutoAWQ GEMM layout and read back (fp16 scales)",
+    "int4_awq": "activation-aware input-channel scales (quant/awq.py) folded in, then int4_rtn, calibrated, through "
+                "the AutoAWQ layout (fp16 scales): what `serve --quantization awq|gptq` loads",
+    "int4_awq_gptq": "activation-aware scales folded in, then int4_gptq_act_order",
     "int4_rtn_g32": "diagnostic: int4_rtn with groups of 32",
     "int4_gptq": "INT4 W4A16 GPTQ (quant/gptq.py), sequential per decoder layer, groups as int4_rtn, float32 scales, "
                  "calibrated on other stdlib modules' docstrings (CALIBRATION_MODULES)",
@@ -55,31 +61,18 @@ VARIANTS = {
     "int4_gguf": "the bundled GGUF's own Q4_1 blocks (groups of 32) as INT4 layers, as `--quantization gguf` serves; "
                  "the float32 model is these blocks dequantized, so ~0 by construction",
 }
-TARGETS = {"fp8": 0.02, "int4_awq_layout": 0.10, "int4_gptq": 0.10, "int4_gptq_act_order": 0.10}  # issue 25's perplexity increase allowed over float32
+CALIBRATED = ("fp8_gptq", "int4_awq", "int4_awq_gptq", "int4_gptq", "int4_gptq_act_order")
+TARGETS = {"fp8": 0.02, "fp8_gptq": 0.02, "int4_awq_layout": 0.10, "int4_awq": 0.10, "int4_awq_gptq": 0.10,
+           "int4_gptq": 0.10, "int4_gptq_act_order": 0.10}  # issue 25's perplexity increase allowed over float32
 
 MODULES = ("json", "collections", "functools", "itertools", "textwrap", "argparse", "re", "string", "pathlib",
            "dataclasses", "heapq", "bisect", "contextlib", "datetime", "fractions", "statistics", "random",
            "logging", "subprocess", "typing", "enum", "abc", "shutil", "tempfile", "csv", "difflib", "inspect")
-CALIBRATION_MODULES = ("os", "pickle", "zipfile", "tarfile", "configparser", "threading", "calendar", "shlex",
-                       "pprint", "copy", "queue", "smtplib", "ftplib", "uuid", "gettext", "ipaddress", "mimetypes",
-                       "base64", "glob", "fnmatch", "optparse", "socketserver", "codecs", "numbers", "sched")
-"""GPTQ's calibration text: none of MODULES."""
 
 
 def stdlib_text(min_chars: int, modules: tuple[str, ...] = MODULES) -> str:
-    """The docstrings of `modules` and of the classes and functions each defines (sorted by name), joined by blank
-    lines, until at least min_chars characters."""
-    parts: list[str] = []
-    for module_name in modules:
-        module = importlib.import_module(module_name)
-        members = [getattr(module, name) for name in sorted(vars(module)) if not name.startswith("_")]
-        for obj in [module, *(m for m in members if inspect.getmodule(m) is module)]:
-            doc = inspect.getdoc(obj)
-            if doc and (obj is module or inspect.isclass(obj) or inspect.isfunction(obj)):
-                parts.append(doc)
-            if sum(map(len, parts)) >= min_chars:
-                return "\n\n".join(parts)
-    return "\n\n".join(parts)
+    """quant/calibration.py's stdlib_docstrings, of the scored MODULES unless told (none is a CALIBRATION_MODULES)."""
+    return stdlib_docstrings(min_chars, modules)
 
 
 def token_windows(loaded: LoadedModel, text: str, tokens: int, window: int) -> list[list[int]]:
@@ -120,9 +113,18 @@ def quantized(loaded: LoadedModel, variant: str, group_size: int,
     model = build_model(loaded)
     if variant == "fp8_weights_only":
         return model, fp8_weights_only_(model)
+    if variant in CALIBRATED and not calibration:
+        raise ValueError(f"{variant} needs calibration windows")
+    if variant in ("fp8_gptq", "int4_awq"):  # what serving quantizes on load
+        replaced = quantize_linears_(model, "fp8" if variant == "fp8_gptq" else "awq", group_size=group_size,
+                                     calibration=calibration)
+        if variant == "int4_awq":
+            through_awq_layout_(model)
+        return model, replaced
+    if variant == "int4_awq_gptq":
+        scale_activation_aware_(model, calibration, group_size)
+        return model, calibrate_gptq_(model, calibration, group_size, act_order=True)
     if variant.startswith("int4_gptq"):
-        if not calibration:
-            raise ValueError(f"{variant} needs calibration windows")
         return model, calibrate_gptq_(model, calibration, group_size, act_order=variant.endswith("act_order"))
     if variant == "int4_gguf":
         linears = gguf_int4_linears(bundled_gguf_path(), loaded.config, torch.float32)
@@ -166,7 +168,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192, help="tokens scored in all")
     parser.add_argument("--window", type=int, default=512, help="tokens per independently scored window")
     parser.add_argument("--group-size", type=int, default=128, help="INT4 group size asked for (gcd with K used)")
-    parser.add_argument("--calibration-tokens", type=int, default=2048, help="GPTQ calibration tokens in all")
+    parser.add_argument("--calibration-tokens", type=int, default=ON_LOAD_CALIBRATION_TOKENS,
+                        help="calibration tokens in all (default: as many as serving calibrates on when it quantizes "
+                             "on load)")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--merge", action="store_true", help="keep --out's other variants' results")
     parser.add_argument("--out", default=None, help="JSON result path")
@@ -174,8 +178,7 @@ def main() -> None:
     torch.manual_seed(0)
     loaded = load_bundled(dtype=torch.float32)
     windows = token_windows(loaded, stdlib_text(args.tokens * 8), args.tokens, args.window)
-    calibration = token_windows(loaded, stdlib_text(args.calibration_tokens * 8, CALIBRATION_MODULES),
-                                args.calibration_tokens, args.window)
+    calibration = calibration_windows(loaded.tokenizer, args.calibration_tokens, args.window)
 
     base, reference = measure(build_model(loaded), windows, None)
     results = {"float32": base}
@@ -189,7 +192,7 @@ def main() -> None:
             result["target_perplexity_vs_float"] = TARGETS[name]
             result["within_target"] = result["perplexity_vs_float"] <= TARGETS[name]
         result["linears_quantized"] = replaced
-        if name.startswith("int4_gptq"):
+        if name in CALIBRATED:
             result["calibration_seconds"] = round(quantize_seconds, 2)
         if name.startswith("int4"):
             result["group_size_by_in_features"] = group_sizes(model)

@@ -109,8 +109,9 @@ class ModelRunner:
         if method is None:
             return 0
         from services.gpu_worker.quant.apply import quantize_linears_
+        from services.gpu_worker.quant.calibration import on_load_calibration
 
-        num_layers = quantize_linears_(self.model, method)
+        num_layers = quantize_linears_(self.model, method, calibration=on_load_calibration(loaded.tokenizer))
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the dense weights the quantized ones replaced
         return num_layers

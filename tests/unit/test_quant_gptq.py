@@ -1,13 +1,14 @@
-"""GPTQ (quant/gptq.py): on correlated inputs its output error beats round-to-nearest's at the same group size, an
-act-order result dequantizes and round-trips the GPTQ v1 layout exactly, and calibrate_gptq_ replaces a tiny
-model's decoder linears layer by layer."""
+"""GPTQ (quant/gptq.py): on correlated inputs its output error beats round-to-nearest's at the same group size (INT4)
+or in the same e4m3 per-channel format (FP8), an act-order result dequantizes and round-trips the GPTQ v1 layout
+exactly, and calibrate_gptq_ replaces a tiny model's decoder linears layer by layer."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from services.gpu_worker.quant.gptq import calibrate_gptq_, gptq_quantize, layer_groups
-from services.gpu_worker.quant.apply import linear_targets
+from services.gpu_worker.quant.apply import linear_targets, quantize_linears_
+from services.gpu_worker.quant.fp8 import dequantize_fp8, quantize_weight_fp8
+from services.gpu_worker.quant.gptq import calibrate_gptq_, gptq_quantize, gptq_quantize_fp8, layer_groups
 from services.gpu_worker.quant.int4 import dequantize_int4, from_gptq, int4_linear, quantize_int4, to_gptq
 from services.gpu_worker.quant.linear import QuantizedLinear
 from services.gpu_worker.quant.quality import sequence_logits
@@ -80,3 +81,36 @@ def test_calibrate_gptq_keeps_the_moe_router_dense() -> None:
     model = _tiny_model("tiny-qwen3-moe")
     assert calibrate_gptq_(model, [_TOKENS]) == 11
     assert all(isinstance(m, nn.Linear) for name, m in model.named_modules() if name.endswith("mlp.gate"))
+
+
+def test_gptq_fp8_beats_round_to_nearest_in_the_same_format() -> None:
+    x, w, h = _problem()
+    rtn_q, rtn_scale = quantize_weight_fp8(w)
+    rtn = _output_error(x, w, dequantize_fp8(rtn_q, rtn_scale))
+    for act_order in (False, True):
+        q, scale = gptq_quantize_fp8(w, h, act_order)
+        assert q.dtype == torch.float8_e4m3fn and q.shape == w.shape and torch.equal(scale, rtn_scale)
+        gptq = _output_error(x, w, dequantize_fp8(q, scale))
+        assert gptq < 0.93 * rtn, (act_order, gptq, rtn)
+
+
+def test_gptq_fp8_without_correlation_is_round_to_nearest() -> None:
+    _, w, _ = _problem()
+    q, scale = gptq_quantize_fp8(w, torch.eye(256), act_order=False)
+    rtn_q, rtn_scale = quantize_weight_fp8(w)
+    assert torch.equal(q.view(torch.uint8), rtn_q.view(torch.uint8)) and torch.equal(scale, rtn_scale)
+
+
+def test_calibrate_gptq_fp8_gives_fp8_layers_closer_than_rtn() -> None:
+    reference = sequence_logits(_tiny_model("tiny-llama"), _TOKENS)
+    errors = {}
+    for calibrated in (False, True):
+        model = _tiny_model("tiny-llama")
+        if calibrated:
+            assert calibrate_gptq_(model, [_TOKENS], act_order=True, method="fp8") == 14
+        else:
+            quantize_linears_(model, "fp8")
+        layer = model.model.layers[1].mlp.down_proj
+        assert isinstance(layer, QuantizedLinear) and layer.method == "fp8"
+        errors[calibrated] = ((sequence_logits(model, _TOKENS) - reference).norm() / reference.norm()).item()
+    assert errors[True] < errors[False], errors

@@ -1,4 +1,4 @@
-"""Calibrated INT4 quantization: GPTQ (Frantar et al. 2022, "GPTQ: Accurate Post-Training Quantization for
+"""Calibrated INT4 and FP8 weight quantization: GPTQ (Frantar et al. 2022, "GPTQ: Accurate Post-Training Quantization for
 Generative Pre-trained Transformers"), written from the paper's algorithm.
 
 Per linear layer y = x Wᵀ with calibration inputs X [T, K], the layer's output error ‖X Wᵀ − X Ŵᵀ‖² is a quadratic
@@ -14,6 +14,12 @@ G consecutive processed columns; a group's scale and zero are fixed when the qua
 the columns as the error feedback has left them by then. The result is an ordinary Int4Weight: dequantize_int4 and
 int4_linear read it unchanged.
 
+The same error feedback picks FP8 weights (gptq_quantize_fp8): the grid is quantize_weight_fp8's, e4m3 with one scale
+per output row mapping the row's amax to 448, fixed before the first column; the result is an ordinary (qweight,
+weight_scale) pair, so fp8_linear and torch._scaled_mm on the GPU read it unchanged. e4m3 keeps ~3 significant bits
+at every magnitude, so its rounding error is relative, and on the bundled model it is the weights' FP8 error that
+the feedback reduces (docs/PERFORMANCE.md, quality).
+
 act_order processes the input features by descending diag H (the most-used first, while the most columns remain to
 absorb their error). Groups are then groups of processed columns, so the result carries perm (packed column k holds
 input feature perm[k]); within a group the features are put back in ascending order (a group's scale and zero do not
@@ -28,14 +34,16 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from services.gpu_worker.quant.apply import linear_targets
+from services.gpu_worker.quant.fp8 import FP8_DTYPE, FP8_MAX, quantize_weight_fp8
 from services.gpu_worker.quant.int4 import Int4Weight, pack_int4, quantize_int4
-from services.gpu_worker.quant.linear import QuantizedLinear, int4_group_size
-from services.gpu_worker.quant.quality import sequence_logits
+from services.gpu_worker.quant.linear import LinearMethod, QuantizedLinear, int4_group_size
+from services.gpu_worker.quant.quality import LayerDone, run_until_done
 
 
 @torch.no_grad()
@@ -46,46 +54,79 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int = 128,
     n, k = w.shape
     if group_size % 8 or k % group_size:
         raise ValueError(f"group size {group_size} must be a multiple of 8 dividing K = {k}")
-    weight = w.float().clone()  # [N, K], processed order once permuted
-    h = hessian.double().clone()  # [K, K]
+    weight, u, perm = _prepared(w, hessian, act_order, damp)
+    q = torch.zeros(n, k, dtype=torch.int64, device=w.device)
+    scales = torch.zeros(n, k // group_size, dtype=w.dtype, device=w.device)
+    zeros = torch.zeros(n, k // group_size, dtype=w.dtype, device=w.device)
+
+    def round_column(column: int, rest: torch.Tensor) -> torch.Tensor:
+        g = column // group_size
+        if column % group_size == 0:  # the group's grid from its columns as the feedback has left them
+            grid = quantize_int4(rest[:, :group_size].to(w.dtype), group_size)
+            scales[:, g], zeros[:, g] = grid.scales[:, 0], grid.zeros[:, 0]
+        scale, zero = scales[:, g].float(), zeros[:, g].float()
+        q[:, column] = ((rest[:, 0] / scale).round() + zero).clamp(0, 15).to(torch.int64)
+        return (q[:, column] - zero) * scale
+
+    _feedback_quantize_(weight, u, max(block // group_size, 1) * group_size, round_column)  # a group in one block
+    if perm is not None:  # ascending input features within each group: v1 g_idx's order
+        within = torch.argsort(perm.reshape(-1, group_size), dim=1)  # [K // G, G]
+        order = (within + torch.arange(0, k, group_size, device=w.device)[:, None]).reshape(k)
+        perm, q = perm[order], q[:, order]
+    return Int4Weight(pack_int4(q), scales, zeros, group_size, perm)
+
+
+@torch.no_grad()
+def gptq_quantize_fp8(w: torch.Tensor, hessian: torch.Tensor, act_order: bool = True, damp: float = 0.01,
+                      block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """w: [N, K]; hessian: [K, K] → (qweight e4m3 [N, K], scale float32 [N]): quantize_weight_fp8's format (each
+    row's scale maps its amax to FP8_MAX, fixed before the first column), the e4m3 values chosen by GPTQ's error
+    feedback instead of rounding each to nearest. A value the feedback pushes past the row's amax saturates."""
+    weight, u, perm = _prepared(w, hessian, act_order, damp)
+    _, scale = quantize_weight_fp8(weight)  # [N] from the rows as they enter (dead columns zeroed)
+    q = torch.zeros(weight.shape, dtype=FP8_DTYPE, device=w.device)  # [N, K] processed order
+
+    def round_column(column: int, rest: torch.Tensor) -> torch.Tensor:
+        q[:, column] = (rest[:, 0] / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        return q[:, column].float() * scale
+
+    _feedback_quantize_(weight, u, block, round_column)
+    return (q if perm is None else q[:, torch.argsort(perm)].contiguous()), scale
+
+
+def _prepared(w: torch.Tensor, hessian: torch.Tensor, act_order: bool, damp: float
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """→ (w float32 [N, K] with dead input features zeroed, in processed order; the upper Cholesky factor U of the
+    damped H⁻¹ [K, K] float32, processed order; perm int64 [K] or None: processed column j is input feature perm[j])."""
+    k = w.shape[1]
+    weight = w.float().clone()  # [N, K]
+    h = hessian.double().clone().to(w.device)  # [K, K]
     dead = torch.diagonal(h) == 0
     h[dead, dead] = 1.0
     weight[:, dead] = 0.0
     perm = torch.argsort(torch.diagonal(h), descending=True, stable=True) if act_order else None
     if perm is not None:
         weight, h = weight[:, perm], h[perm][:, perm]
-    h += torch.eye(k, dtype=h.dtype) * damp * torch.diagonal(h).mean()
-    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()  # [K, K]
+    h += torch.eye(k, dtype=h.dtype, device=h.device) * damp * torch.diagonal(h).mean()
+    return weight, torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float(), perm
 
-    block = max(block // group_size, 1) * group_size  # each group inside one block: its grid from updated columns
-    q = torch.zeros(n, k, dtype=torch.int64)
-    scales = torch.zeros(n, k // group_size, dtype=w.dtype)
-    zeros = torch.zeros(n, k // group_size, dtype=w.dtype)
+
+def _feedback_quantize_(weight: torch.Tensor, u: torch.Tensor, block: int,
+                        round_column: Callable[[int, torch.Tensor], torch.Tensor]) -> None:
+    """GPTQ's loop over the columns of weight [N, K] (processed order, updated in place): round_column(j, rest)
+    quantizes column j given the block's columns from j on (rest [N, ≥1], rest[:, 0] is column j, as the feedback
+    has left them) and returns its dequantized value [N]; the rounding error, over U[j, j], moves onto the columns
+    after j through row j of U, lazily across blocks."""
+    k = weight.shape[1]
     for start in range(0, k, block):
         end = min(start + block, k)
         cols, u_block = weight[:, start:end], u[start:end, start:end]  # cols: a view, updated in place
         errors = torch.zeros_like(cols)  # [N, B]
         for i in range(end - start):
-            column = start + i
-            if column % group_size == 0:
-                grid = quantize_int4(cols[:, i: i + group_size].to(w.dtype), group_size)
-                g = column // group_size
-                scales[:, g], zeros[:, g] = grid.scales[:, 0], grid.zeros[:, 0]
-                scale, zero = scales[:, g].float(), zeros[:, g].float()
-            q[:, column] = ((cols[:, i] / scale).round() + zero).clamp(0, 15).to(torch.int64)
-            error = (cols[:, i] - (q[:, column] - zero) * scale) / u_block[i, i]  # [N]
+            error = (cols[:, i] - round_column(start + i, cols[:, i:])) / u_block[i, i]  # [N]
             cols[:, i:] -= error[:, None] * u_block[i, i:][None, :]
             errors[:, i] = error
         weight[:, end:] -= errors @ u[start:end, end:]
-    if perm is not None:  # ascending input features within each group: v1 g_idx's order
-        within = torch.argsort(perm.reshape(-1, group_size), dim=1)  # [K // G, G]
-        order = (within + torch.arange(0, k, group_size)[:, None]).reshape(k)
-        perm, q = perm[order], q[:, order]
-    return Int4Weight(pack_int4(q), scales, zeros, group_size, perm)
-
-
-class _LayerDone(Exception):
-    """Raised by the hooks once every linear of the layer being calibrated has seen this sequence's inputs."""
 
 
 def layer_groups(targets: list[tuple[str, nn.Module, str, nn.Linear]]
@@ -100,10 +141,13 @@ def layer_groups(targets: list[tuple[str, nn.Module, str, nn.Linear]]
 
 
 def calibrate_gptq_(model: nn.Module, token_batches: list[list[int]], group_size: int = 128,
-                    act_order: bool = False, skip: tuple[str, ...] = ("lm_head",), damp: float = 0.01) -> int:
+                    act_order: bool = False, skip: tuple[str, ...] = ("lm_head",), damp: float = 0.01,
+                    method: LinearMethod = "int4") -> int:
     """Replace each nn.Linear that quantize_linears_ would (not `skip`, not an MoE router) by a GPTQ-quantized
-    QuantizedLinear.int4, calibrated on `token_batches` (each one sequence run as sequence_logits runs it), one
-    decoder layer at a time (module docstring); groups of int4_group_size(K, group_size). → how many."""
+    QuantizedLinear (method "int4": groups of int4_group_size(K, group_size); "fp8": gptq_quantize_fp8, whose
+    layers quantize their activations per token, so the next layer calibrates on what W8A8 feeds it), calibrated
+    on `token_batches` (each one sequence run as sequence_logits runs it), one decoder layer at a time (module
+    docstring). → how many."""
     targets = linear_targets(model, skip)
     for group in layer_groups(targets):
         hessians: dict[str, torch.Tensor] = {}
@@ -115,29 +159,26 @@ def calibrate_gptq_(model: nn.Module, token_batches: list[list[int]], group_size
                 x = inputs[0].detach().reshape(-1, module.in_features).double()  # [T, K]
                 before, total = rows[qualified], rows[qualified] + x.shape[0]
                 h = hessians.setdefault(qualified, torch.zeros(module.in_features, module.in_features,
-                                                                dtype=torch.float64))
+                                                                dtype=torch.float64, device=x.device))
                 h.mul_(before / total).addmm_(x.T, x, alpha=2 / total)  # the running mean of 2 xᵀx
                 rows[qualified] = total
                 seen.add(qualified)
                 if len(seen) == len(group):
-                    raise _LayerDone
+                    raise LayerDone
             return accumulate
 
         handles = [child.register_forward_hook(hook(qualified)) for qualified, _, _, child in group]
-        try:
-            for tokens in token_batches:
-                seen.clear()
-                try:
-                    sequence_logits(model, tokens)
-                except _LayerDone:
-                    pass
-        finally:
-            for handle in handles:
-                handle.remove()
+        run_until_done(model, token_batches, handles, on_sequence=seen.clear)
         for qualified, parent, name, child in group:
             weight = child.weight.detach()
-            hessian = hessians.get(qualified, torch.eye(child.in_features, dtype=torch.float64))  # never ran: RTN-like
-            quantized = gptq_quantize(weight, hessian, int4_group_size(child.in_features, group_size), act_order, damp)
+            hessian = hessians.get(qualified)
+            if hessian is None:  # never ran: H = I, RTN-like
+                hessian = torch.eye(child.in_features, dtype=torch.float64, device=weight.device)
             bias = None if child.bias is None else child.bias.detach().clone()
-            setattr(parent, name, QuantizedLinear.int4(quantized, bias))
+            if method == "fp8":
+                layer = QuantizedLinear.fp8(*gptq_quantize_fp8(weight, hessian, act_order, damp), bias)
+            else:
+                group_k = int4_group_size(child.in_features, group_size)
+                layer = QuantizedLinear.int4(gptq_quantize(weight, hessian, group_k, act_order, damp), bias)
+            setattr(parent, name, layer)
     return len(targets)

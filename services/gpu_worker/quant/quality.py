@@ -7,6 +7,7 @@ a generated continuation would drift apart at the first flipped token and compar
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -46,3 +47,25 @@ def perplexity(logits: torch.Tensor, token_ids: list[int]) -> float:
 def top1_agreement(logits: torch.Tensor, reference: torch.Tensor) -> float:
     """The share of rows of two [T, V] logits whose argmax agree."""
     return (logits.argmax(dim=-1) == reference.argmax(dim=-1)).float().mean().item()
+
+
+class LayerDone(Exception):
+    """Raised by a calibration hook once the layer it calibrates has seen a sequence's inputs: the rest of that
+    forward is not needed."""
+
+
+def run_until_done(model: nn.Module, token_batches: list[list[int]], handles: list,
+                   on_sequence: Callable[[], None] | None = None) -> None:
+    """Each sequence of token_batches through `model` as sequence_logits runs it, each forward stopped where a hook
+    raises LayerDone (on_sequence called before each); the hooks' `handles` removed after, whatever happens."""
+    try:
+        for tokens in token_batches:
+            if on_sequence is not None:
+                on_sequence()
+            try:
+                sequence_logits(model, tokens)
+            except LayerDone:
+                pass
+    finally:
+        for handle in handles:
+            handle.remove()
