@@ -57,7 +57,8 @@ class WorkerConfig:
     gemv_max_tokens: str = field(default="auto", metadata={
         "help": f"CUDA: steps of at most this many tokens (0-{GEMV_MAX_TOKENS_LIMIT}) run their matmuls on the Triton "
                 "GEMV instead of cuBLAS (0: never, all on cuBLAS; auto: 1 on a single-GPU worker, which speeds up "
-                "batch-1 decode on the H200, else 0)", "parse": parse_gemv_max_tokens})
+                "batch-1 decode on the H200, else 0). Dense weights only: FP8-quantized layers read their e4m3 "
+                "weights on the GEMV at one token whatever this says", "parse": parse_gemv_max_tokens})
     max_num_batched_tokens: int = field(default=0, metadata={
         "help": "token budget of one engine step (0: from the device: 512 on the CPU, 8192 on CUDA)"})
     max_num_seqs: int = field(default=0, metadata={
