@@ -4,7 +4,8 @@ Each request gives the bundled chat model a passage of code and asks for it back
 most of the answer copies the prompt: the workload prompt lookup is made for. Two engines share the loaded weights,
 one plain and one with `speculative_method="ngram"`; rounds alternate which runs first, and each request's TPOT is
 (time of its last token - time of its first) / (tokens - 1), so prefill is left out. Reports the median TPOT of
-each engine, their ratio, whether the greedy outputs were identical, and the acceptance counters.
+each engine, their ratio, whether the greedy outputs were identical, and the acceptance counters; then the same for
+free-form questions, whose answers copy little: the cost of speculation where its drafts mostly fail.
 
     .venv/bin/python -m bench.spec_decode --threads 1 --out bench/results/spec_decode_cpu_$(date +%Y%m%d).json
 """
@@ -98,6 +99,10 @@ def save_settings(path: Path, settings: dict) -> None:
 ''', "Change the default port from 8000 to 9000. Output the full code."),
 ]
 
+QUESTIONS = ["Write a short story about a lighthouse keeper who finds a message in a bottle.",
+             "Explain how vaccines train the immune system, for a ten-year-old.",
+             "Give me five ideas for a rainy weekend with children, with a sentence on each."]
+
 
 def prompts(engine: Engine) -> list[list[int]]:
     return [chat_prompt_ids(engine.tokenizer, [{"role": "system", "content": SYSTEM},
@@ -105,7 +110,8 @@ def prompts(engine: Engine) -> list[list[int]]:
             for code, ask in PASSAGES]
 
 
-def timed_request(engine: Engine, request_id: str, prompt: list[int], params: SamplingParams) -> tuple[list[int], float]:
+def timed_request(engine: Engine, request_id: str, prompt: list[int],
+                  params: SamplingParams) -> tuple[list[int], float]:
     """Run one request alone → its output tokens and its TPOT in seconds (first token to last, per token)."""
     engine.add_request(request_id, prompt, params)
     tokens: list[int] = []
@@ -122,10 +128,42 @@ def timed_request(engine: Engine, request_id: str, prompt: list[int], params: Sa
     return tokens, (last_s - first_s) / max(len(tokens) - 1, 1)
 
 
+def compare(engines: dict[str, Engine], batch: list[list[int]], params: SamplingParams, rounds: int,
+            label: str) -> dict:
+    """Alternating rounds of every prompt on each engine → TPOTs, medians, identity and the acceptance counters."""
+    for engine in engines.values():
+        engine.metrics = type(engine.metrics)()
+    tpot: dict[str, list[float]] = {name: [] for name in engines}
+    outputs: dict[str, dict[int, list[int]]] = {name: {} for name in engines}
+    for round_index in range(rounds):
+        order = list(engines) if round_index % 2 == 0 else list(reversed(engines))
+        for i, prompt in enumerate(batch):
+            for name in order:
+                tokens, seconds = timed_request(engines[name], f"{label}{round_index}-{i}", prompt, params)
+                tpot[name].append(seconds)
+                outputs[name][i] = tokens
+        print(f"{label} round {round_index}: " + ", ".join(f"{n} {statistics.median(t) * 1e3:.1f} ms"
+                                                          for n, t in tpot.items()), flush=True)
+    medians = {name: statistics.median(times) for name, times in tpot.items()}
+    m = engines["ngram"].metrics
+    return {
+        "num_prompts": len(batch), "prompt_tokens": [len(p) for p in batch],
+        "output_tokens": [len(outputs["plain"][i]) for i in range(len(batch))],
+        "is_identical": outputs["plain"] == outputs["ngram"],
+        "tpot_ms": {name: [round(t * 1e3, 2) for t in times] for name, times in tpot.items()},
+        "median_tpot_ms": {name: round(t * 1e3, 2) for name, t in medians.items()},
+        "speedup": round(medians["plain"] / medians["ngram"], 3),
+        "spec_decode": {"num_drafts": m.num_spec_drafts, "num_draft_tokens": m.num_spec_draft_tokens,
+                        "num_accepted_tokens": m.num_spec_accepted_tokens,
+                        "acceptance_rate": round(m.num_spec_accepted_tokens / max(m.num_spec_draft_tokens, 1), 3),
+                        "mean_accepted_length": round(1 + m.num_spec_accepted_tokens / max(m.num_spec_drafts, 1), 3)},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="bundled")
-    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -139,38 +177,20 @@ def main() -> None:
                "ngram": Engine(EngineConfig(**base, speculative_method="ngram", num_speculative_tokens=args.k),
                                loaded=loaded)}
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    batch = prompts(engines["plain"])
-    for name, engine in engines.items():  # warm-up; then the counters start from zero
-        timed_request(engine, "warmup", batch[0], SamplingParams(max_tokens=8, temperature=0.0))
-        engine.metrics = type(engine.metrics)()
-    tpot: dict[str, list[float]] = {name: [] for name in engines}
-    outputs: dict[str, dict[int, list[int]]] = {name: {} for name in engines}
-    for round_index in range(args.rounds):
-        order = list(engines) if round_index % 2 == 0 else list(reversed(engines))
-        for i, prompt in enumerate(batch):
-            for name in order:
-                tokens, seconds = timed_request(engines[name], f"r{round_index}-{i}", prompt, params)
-                tpot[name].append(seconds)
-                outputs[name][i] = tokens
-        print(f"round {round_index}: " + ", ".join(f"{n} {statistics.median(t) * 1e3:.1f} ms" for n, t in tpot.items()),
-              flush=True)
-    medians = {name: statistics.median(times) for name, times in tpot.items()}
-    m = engines["ngram"].metrics
+    edits = prompts(engines["plain"])
+    for engine in engines.values():  # warm-up
+        timed_request(engine, "warmup", edits[0], SamplingParams(max_tokens=8, temperature=0.0))
     result = {
         "bench": "spec_decode", "model": args.model, "device": "cpu", "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(), "platform": platform.platform(), "k": args.k, "max_tokens": args.max_tokens,
-        "rounds": args.rounds, "num_prompts": len(batch), "prompt_tokens": [len(p) for p in batch],
-        "output_tokens": [len(outputs["plain"][i]) for i in range(len(batch))],
-        "is_identical": outputs["plain"] == outputs["ngram"],
-        "tpot_ms": {name: [round(t * 1e3, 2) for t in times] for name, times in tpot.items()},
-        "median_tpot_ms": {name: round(t * 1e3, 2) for name, t in medians.items()},
-        "speedup": round(medians["plain"] / medians["ngram"], 3),
-        "spec_decode": {"num_drafts": m.num_spec_drafts, "num_draft_tokens": m.num_spec_draft_tokens,
-                        "num_accepted_tokens": m.num_spec_accepted_tokens,
-                        "acceptance_rate": round(m.num_spec_accepted_tokens / max(m.num_spec_draft_tokens, 1), 3),
-                        "mean_accepted_length": round(1 + m.num_spec_accepted_tokens / max(m.num_spec_drafts, 1), 3)},
+        "rounds": args.rounds,
+        "edit": compare(engines, edits, params, args.rounds, "edit"),
+        # free-form answers copy little: what speculation costs where it mostly fails (adaptive k backs off)
+        "free": compare(engines, [chat_prompt_ids(engines["plain"].tokenizer, [{"role": "user", "content": q}])
+                                  for q in QUESTIONS], params, args.rounds, "free"),
     }
-    print(json.dumps({k: v for k, v in result.items() if k != "tpot_ms"}, indent=1))
+    print(json.dumps({k: ({kk: vv for kk, vv in v.items() if kk != "tpot_ms"} if isinstance(v, dict) else v)
+                      for k, v in result.items()}, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 

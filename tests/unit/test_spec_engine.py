@@ -290,3 +290,24 @@ def test_n_samples_speculate_each_and_reproduce() -> None:
         _assert_idle(engine)
     assert runs[0] == runs[1]
     assert all(len({tuple(t) for t in samples}) > 1 for samples in runs[0])
+
+
+def test_only_steps_with_drafts_give_up_the_overlap() -> None:
+    if not MODE["overlap"]:
+        pytest.skip("overlap mode only")
+    engine = _spec_engine()
+    prompt = _prompts(num=1)[0]
+    engine.add_request("off", prompt, SamplingParams(max_tokens=8, temperature=0.0, speculative=False))
+    engine.step()
+    engine.step()
+    assert engine._launched is not None  # a plain step stays on the device while the next is planned
+    engine.abort("off")
+    engine.flush()
+    engine.add_request("on", prompt, SamplingParams(max_tokens=24, temperature=0.0))
+    drafted = []
+    while engine.has_unfinished():
+        engine.step()
+        drafted.append(engine.metrics.num_spec_drafts)
+        if len(drafted) > 1 and drafted[-1] > drafted[-2]:
+            assert engine._launched is None  # a step that verified drafts was read at once
+    assert drafted[-1] > 0

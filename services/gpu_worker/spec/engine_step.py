@@ -39,8 +39,8 @@ def make_proposer(method: str) -> Proposer:
 class Speculator:
     """The engine's speculative-decoding state: a proposer, adaptive k, and the sequences drafted this step."""
 
-    def __init__(self, proposer: Proposer, max_k: int, max_batch_size: int, metrics: Callable[[], EngineMetricsRecorder],
-                 probe_interval_steps: int | None = None) -> None:
+    def __init__(self, proposer: Proposer, max_k: int, max_batch_size: int,
+                 metrics: Callable[[], EngineMetricsRecorder], probe_interval_steps: int | None = None) -> None:
         self.proposer = proposer
         self.adaptive = AdaptiveK(max_k) if probe_interval_steps is None else AdaptiveK(max_k, probe_interval_steps)
         self.max_batch_size = max_batch_size
@@ -113,7 +113,8 @@ class Speculator:
         width = 1 + max(item.num_draft_tokens for item, _ in drafted)
         index = [[start + min(j, item.num_draft_tokens) for j in range(width)] for item, start in drafted]
         scored = logits[to_device(index, torch.long, logits.device)]  # [B_d, K+1, V]; short rows repeat their last
-        rows = [SpecRow(item.seq.sampling_row(), item.seq.draft_token_ids[:item.num_draft_tokens]) for item, _ in drafted]
+        rows = [SpecRow(item.seq.sampling_row(), item.seq.draft_token_ids[:item.num_draft_tokens])
+                for item, _ in drafted]
         results = verify(scored, rows)
         metrics = self._metrics()
         for (item, _), result in zip(drafted, results):
