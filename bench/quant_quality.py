@@ -48,7 +48,7 @@ VARIANTS = {
     "fp8": "FP8 W8A8: e4m3 weights per channel rounded to nearest, activations per token (quant/fp8.py)",
     "fp8_weights_only": "diagnostic: FP8-rounded weights, float32 activations",
     "fp8_gptq": "fp8's format, each e4m3 weight chosen by GPTQ's error feedback, act-order, layer by layer "
-                "(quant/gptq.py gptq_quantize_fp8), calibrated: what `serve --quantization fp8` loads",
+                "(quant/gptq.py gptq_quantize_fp8), calibrated; not yet what `serve --quantization fp8` loads (RTN)",
     "int4_rtn": "INT4 W4A16 round-to-nearest, asymmetric, groups of --group-size (gcd with K), float32 scales",
     "int4_awq_layout": "int4_rtn written to the AutoAWQ GEMM layout and read back (fp16 scales)",
     "int4_awq": "activation-aware input-channel scales (quant/awq.py) folded in, then int4_rtn, calibrated, through "
@@ -115,11 +115,11 @@ def quantized(loaded: LoadedModel, variant: str, group_size: int,
         return model, fp8_weights_only_(model)
     if variant in CALIBRATED and not calibration:
         raise ValueError(f"{variant} needs calibration windows")
-    if variant in ("fp8_gptq", "int4_awq"):  # what serving quantizes on load
-        replaced = quantize_linears_(model, "fp8" if variant == "fp8_gptq" else "awq", group_size=group_size,
-                                     calibration=calibration)
-        if variant == "int4_awq":
-            through_awq_layout_(model)
+    if variant == "fp8_gptq":
+        return model, calibrate_gptq_(model, calibration, act_order=True, method="fp8")
+    if variant == "int4_awq":  # what serving quantizes on load
+        replaced = quantize_linears_(model, "awq", group_size=group_size, calibration=calibration)
+        through_awq_layout_(model)
         return model, replaced
     if variant == "int4_awq_gptq":
         scale_activation_aware_(model, calibration, group_size)

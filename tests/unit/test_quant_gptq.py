@@ -8,7 +8,8 @@ from torch import nn
 
 from services.gpu_worker.quant.apply import linear_targets, quantize_linears_
 from services.gpu_worker.quant.fp8 import dequantize_fp8, quantize_weight_fp8
-from services.gpu_worker.quant.gptq import calibrate_gptq_, gptq_quantize, gptq_quantize_fp8, layer_groups
+from services.gpu_worker.quant.gptq import (_sharing_inputs, calibrate_gptq_, gptq_quantize, gptq_quantize_fp8,
+                                             layer_groups)
 from services.gpu_worker.quant.int4 import dequantize_int4, from_gptq, int4_linear, quantize_int4, to_gptq
 from services.gpu_worker.quant.linear import QuantizedLinear
 from services.gpu_worker.quant.quality import sequence_logits
@@ -114,3 +115,13 @@ def test_calibrate_gptq_fp8_gives_fp8_layers_closer_than_rtn() -> None:
         assert isinstance(layer, QuantizedLinear) and layer.method == "fp8"
         errors[calibrated] = ((sequence_logits(model, _TOKENS) - reference).norm() / reference.norm()).item()
     assert errors[True] < errors[False], errors
+
+
+def test_linears_that_share_their_inputs_are_quantized_as_one_stack() -> None:
+    targets = layer_groups(linear_targets(_tiny_model("tiny-llama")))[0]  # q k v o gate up down
+    h, other = torch.eye(64), 2 * torch.eye(64)
+    hessians = {targets[0][0]: h, targets[1][0]: h.clone(), targets[2][0]: h.clone(), targets[3][0]: other,
+                targets[4][0]: h.clone(), targets[5][0]: h.clone()}  # down_proj never ran
+    runs = _sharing_inputs(targets, hessians)
+    assert [[t[0].rsplit(".", 1)[1] for t in run] for run in runs] == [
+        ["q_proj", "k_proj", "v_proj"], ["o_proj"], ["gate_proj", "up_proj"], ["down_proj"]]

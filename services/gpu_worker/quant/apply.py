@@ -27,20 +27,15 @@ def quantize_linears_(model: nn.Module, method: str, skip: tuple[str, ...] = ("l
     """Replace each nn.Linear of `model` by a QuantizedLinear of its weights (in place) unless a component of its
     qualified name is in `skip` or it is an MoE router; returns how many were replaced.
 
-    Without `calibration` every layer is rounded to nearest. With it (token windows, quant/calibration.py), the
-    same formats get calibrated values: INT4 folds activation-aware input-channel scales into the model first
-    (quant/awq.py), then rounds to nearest; FP8 chooses each e4m3 weight by GPTQ's error feedback, act-order
-    (quant/gptq.py gptq_quantize_fp8), layer by layer. A tensor-parallel shard (`model.tp` set) is rounded to
-    nearest: the calibration forward (quality.sequence_logits) runs a whole model's attention."""
+    Without `calibration` every layer is rounded to nearest. With it (token windows, quant/calibration.py), INT4
+    folds activation-aware input-channel scales into the model first (quant/awq.py), then rounds to nearest, in the
+    same format; FP8 ignores it and rounds to nearest (GPTQ-chosen FP8 weights, quant/gptq.py gptq_quantize_fp8,
+    calibrate layer by layer through the CPU's slow FP8 forward: minutes on load, too slow for serving on load yet).
+    A tensor-parallel shard (`model.tp` set) is rounded to nearest: the calibration forward
+    (quality.sequence_logits) runs a whole model's attention."""
     if method not in _LINEAR_METHOD:
         raise ValueError(f"unknown quantization {method!r}: one of {METHODS}")
-    if getattr(model, "tp", None) is not None:
-        calibration = None
-    if calibration and method == "fp8":
-        from services.gpu_worker.quant.gptq import calibrate_gptq_  # imports this module
-
-        return calibrate_gptq_(model, calibration, act_order=True, skip=skip, method="fp8")
-    if calibration:
+    if calibration and _LINEAR_METHOD[method] == "int4" and getattr(model, "tp", None) is None:
         from services.gpu_worker.quant.awq import scale_activation_aware_
 
         scale_activation_aware_(model, calibration, group_size)

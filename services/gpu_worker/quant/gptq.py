@@ -40,7 +40,8 @@ import torch
 from torch import nn
 
 from services.gpu_worker.quant.apply import linear_targets
-from services.gpu_worker.quant.fp8 import FP8_DTYPE, FP8_MAX, quantize_weight_fp8
+from services.gpu_worker.quant.fp8 import (FP8_DTYPE, FP8_MAX, dequantize_fp8, quantize_activation_fp8,
+                                          quantize_weight_fp8)
 from services.gpu_worker.quant.int4 import Int4Weight, pack_int4, quantize_int4
 from services.gpu_worker.quant.linear import LinearMethod, QuantizedLinear, int4_group_size
 from services.gpu_worker.quant.quality import LayerDone, run_until_done
@@ -149,6 +150,7 @@ def calibrate_gptq_(model: nn.Module, token_batches: list[list[int]], group_size
     on `token_batches` (each one sequence run as sequence_logits runs it), one decoder layer at a time (module
     docstring). → how many."""
     targets = linear_targets(model, skip)
+    stand_ins: list = []  # fp8: (parent, name, QuantizedLinear, hook handle) installed at the end
     for group in layer_groups(targets):
         hessians: dict[str, torch.Tensor] = {}
         rows: dict[str, int] = defaultdict(int)
@@ -169,16 +171,55 @@ def calibrate_gptq_(model: nn.Module, token_batches: list[list[int]], group_size
 
         handles = [child.register_forward_hook(hook(qualified)) for qualified, _, _, child in group]
         run_until_done(model, token_batches, handles, on_sequence=seen.clear)
-        for qualified, parent, name, child in group:
-            weight = child.weight.detach()
-            hessian = hessians.get(qualified)
+        for members in _sharing_inputs(group, hessians):  # q/k/v and gate/up: one run over their stacked rows
+            weight = torch.cat([child.weight.detach() for *_, child in members])  # [ΣN, K]
+            hessian = hessians.get(members[0][0])
             if hessian is None:  # never ran: H = I, RTN-like
-                hessian = torch.eye(child.in_features, dtype=torch.float64, device=weight.device)
-            bias = None if child.bias is None else child.bias.detach().clone()
+                hessian = torch.eye(weight.shape[1], dtype=torch.float64, device=weight.device)
+            rows_each = [child.out_features for *_, child in members]
             if method == "fp8":
-                layer = QuantizedLinear.fp8(*gptq_quantize_fp8(weight, hessian, act_order, damp), bias)
+                q, scale = gptq_quantize_fp8(weight, hessian, act_order, damp)
+                layers = [QuantizedLinear.fp8(qi.contiguous(), si.contiguous(), _bias(child)) for qi, si, (*_, child)
+                          in zip(q.split(rows_each), scale.split(rows_each), members)]
             else:
-                group_k = int4_group_size(child.in_features, group_size)
-                layer = QuantizedLinear.int4(gptq_quantize(weight, hessian, group_k, act_order, damp), bias)
-            setattr(parent, name, layer)
+                w = gptq_quantize(weight, hessian, int4_group_size(weight.shape[1], group_size), act_order, damp)
+                parts = zip(w.qweight.split(rows_each), w.scales.split(rows_each), w.zeros.split(rows_each))
+                layers = [QuantizedLinear.int4(Int4Weight(qw.contiguous(), sc.contiguous(), ze.contiguous(),
+                                                          w.group_size, w.perm), _bias(child))
+                          for (qw, sc, ze), (*_, child) in zip(parts, members)]
+            for (_, parent, name, child), layer in zip(members, layers):
+                if method == "fp8":  # same numbers as the layer's CPU forward, without dequantizing at every call
+                    child.weight.data = dequantize_fp8(layer.qweight, layer.weight_scale).to(child.weight.dtype)
+                    stand_ins.append((parent, name, layer, child.register_forward_pre_hook(_fp8_activations)))
+                else:
+                    setattr(parent, name, layer)
+    for parent, name, layer, handle in stand_ins:
+        handle.remove()
+        setattr(parent, name, layer)
     return len(targets)
+
+
+def _sharing_inputs(group: list[tuple[str, nn.Module, str, nn.Linear]], hessians: dict[str, torch.Tensor]
+                    ) -> list[list[tuple[str, nn.Module, str, nn.Linear]]]:
+    """The group's linears in runs of neighbours with the same Hessian (the same inputs, as q/k/v's): GPTQ treats
+    each row of W on its own, so quantizing their stacked rows at once gives each the same result."""
+    runs: list[list] = []
+    for target in group:
+        h = hessians.get(target[0])
+        prev_h = hessians.get(runs[-1][-1][0]) if runs else None
+        if h is not None and prev_h is not None and prev_h.shape == h.shape and torch.equal(prev_h, h):
+            runs[-1].append(target)
+        else:
+            runs.append([target])
+    return runs
+
+
+def _bias(linear: nn.Linear) -> torch.Tensor | None:
+    return None if linear.bias is None else linear.bias.detach().clone()
+
+
+def _fp8_activations(module: nn.Module, args: tuple) -> tuple:
+    """A dense stand-in's input quantized per token as fp8_linear quantizes it, and dequantized."""
+    x = args[0]
+    flat = x.reshape(-1, x.shape[-1])  # [M, K]
+    return (dequantize_fp8(*quantize_activation_fp8(flat)).to(x.dtype).reshape(x.shape),)
