@@ -110,6 +110,9 @@ class BatchPolicy:
                 del seq.draft_token_ids[num_drafts:]
                 num_spare -= num_drafts
                 num_new += num_drafts
+                if num_drafts and not self._reserve(seq, num_new):  # drafts never preempt: no pages, no drafts
+                    num_new, num_drafts = num_new - num_drafts, 0
+                    seq.draft_token_ids.clear()
             if self.is_chunked_prefill and seq.num_uncomputed > self.long_prefill_tokens:
                 if long_allowance is None:
                     long_allowance = budget - self._reserve_for_waiting(budget)

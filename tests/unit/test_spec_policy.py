@@ -62,3 +62,18 @@ def test_a_backed_off_sequence_probes_again_after_the_interval() -> None:
     assert [adaptive.next_k(budget) for _ in range(3)] == [0, 0, 1]
     adaptive.update(budget, 1, 1)
     assert budget.k == 2
+
+
+def test_drafts_that_find_no_pages_are_dropped_rather_than_preempting() -> None:
+    policy = small_policy(num_pages=3, max_num_batched_tokens=64)
+    first, second = new_seq(0, 7), new_seq(1, 3)
+    policy.add(first)
+    policy.add(second)
+    step(policy, 0.0)  # first: pages [1, 2], its next token's slot (position 7) in page 2; second: [3]; pool full
+    assert (first.page_ids, second.page_ids, policy.pool.num_free) == ([1, 2], [3], 0)
+    first.draft_token_ids = [5, 6, 7, 8, 9]  # positions 8..12 would need two more pages
+    plan = policy.schedule(0.0)
+    assert [(item.seq.seq_id, item.num_new_tokens, item.num_draft_tokens) for item in plan.items] == [(0, 1, 0),
+                                                                                                      (1, 1, 0)]
+    assert policy.num_preemptions == 0 and first.draft_token_ids == []
+    end_step(policy, plan, 0.0)
