@@ -28,7 +28,8 @@ def test_the_wire_form_keeps_its_field_names_and_defaults() -> None:
     params = msgspec.msgpack.decode(msgspec.msgpack.encode(old_sender), type=SamplingParams)
 
     assert params == SamplingParams(max_tokens=5, temperature=0.5, stop_token_ids=(7,))
-    additive = {"logit_bias": [], "is_max_tokens_default": False, "prompt_logprobs": None, "output_constraint": None}
+    additive = {"logit_bias": [], "is_max_tokens_default": False, "prompt_logprobs": None, "output_constraint": None,
+                "speculative": True}
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(params)) == {**old_sender, **additive}
     assert msgspec.msgpack.decode(msgspec.msgpack.encode({}), type=SamplingParams) == SamplingParams()
 
