@@ -15,8 +15,7 @@ larger weights and so finer steps relative to them within their group.
 
 A group is scaled only where the fold is exact: the norm is the Llama RMSNorm (weight · x̂; Gemma's (1 + w) is not a
 plain multiplier), the MLP multiplies a gate by up_proj, the attention has v_proj and o_proj as plain nn.Linear.
-Layers that do not match (fused or routed-expert MLPs) keep s = 1. Runs layer by layer on the model as the folds of
-the layers before have left it (float, not yet quantized); the whole float model's output stays the same.
+Layers that do not match (fused or routed-expert MLPs) keep s = 1. The float model's output stays the same.
 """
 from __future__ import annotations
 
@@ -113,30 +112,35 @@ def fold_scale_(group: ScaleGroup, s: torch.Tensor) -> None:
 
 
 def scale_activation_aware_(model: nn.Module, token_batches: list[list[int]], group_size: int = 128) -> list[float]:
-    """Search and fold s for every foldable group of every decoder layer of `model` (model.model.layers), one layer
-    at a time on `token_batches` run as sequence_logits runs them; → the α chosen for each group, in order."""
-    quantize, alphas = int4_rtn(group_size), []
-    for layer in model.model.layers:
-        groups = scale_groups(layer)
-        if not groups:
+    """Search and fold s for every foldable group of every decoder layer of `model` (model.model.layers) on
+    `token_batches` run as sequence_logits runs them; → the α chosen for each group, in order.
+
+    One forward per sequence collects every group's input before any fold: a fold leaves the float model's output,
+    and so every other group's input, unchanged (module docstring), and changes only its own group's, which the
+    search accounts for."""
+    groups = [group for layer in model.model.layers for group in scale_groups(layer)]
+    if not groups:
+        return []
+    inputs: list[list[torch.Tensor]] = [[] for _ in groups]
+
+    def hook(index: int):
+        def record(module: nn.Module, args: tuple) -> None:
+            inputs[index].append(args[0].detach().reshape(-1, args[0].shape[-1]).float())
+            if index == len(groups) - 1:
+                raise LayerDone  # the LM head is not needed
+        return record
+
+    handles = [g.linears[0].register_forward_pre_hook(hook(i)) for i, g in enumerate(groups)]
+    run_until_done(model, token_batches, handles)
+    alphas = []
+    quantize = int4_rtn(group_size)
+    for group, xs in zip(groups, inputs):
+        if not xs:
             continue
-        inputs: list[list[torch.Tensor]] = [[] for _ in groups]
-
-        def hook(index: int):
-            def record(module: nn.Module, args: tuple) -> None:
-                inputs[index].append(args[0].detach().reshape(-1, args[0].shape[-1]).float())
-                if index == len(groups) - 1:
-                    raise LayerDone
-            return record
-
-        handles = [g.linears[0].register_forward_pre_hook(hook(i)) for i, g in enumerate(groups)]
-        run_until_done(model, token_batches, handles)
-        for group, xs in zip(groups, inputs):  # forward order: a fold changes only what later layers read
-            if not xs:
-                continue
-            x = torch.cat(xs)  # [T, K]
-            weights = [linear.weight.detach().float() for linear in group.linears]
-            s, alpha = search_scale(x, weights, quantize, None if group.tie is None else group.tie.to(x.device))
-            fold_scale_(group, s)
-            alphas.append(alpha)
+        x = torch.cat(xs)  # [T, K]
+        weights = [linear.weight.detach().float() for linear in group.linears]
+        s, alpha = search_scale(x, weights, quantize, None if group.tie is None else group.tie.to(x.device))
+        fold_scale_(group, s)
+        alphas.append(alpha)
+        xs.clear()
     return alphas
