@@ -14,7 +14,8 @@ from services.gpu_worker.quant.linear import LinearMethod, QuantizedLinear
 
 METHODS = ("fp8", "awq", "gptq", "gguf")
 """The `quantization` values a model can be served with. "fp8": W8A8 e4m3 (quant/fp8.py). "awq" and "gptq" both mean
-INT4 W4A16 (quant/int4.py): a bf16 checkpoint quantized on load gets round-to-nearest weights in the AWQ style
+INT4 W4A16 (quant/int4.py): a bf16 checkpoint quantized on load gets activation-aware scales (quant/awq.py, calibrated
+on quant/calibration.py's text where the model has a tokenizer) and round-to-nearest weights in the AWQ style
 (asymmetric, groups of 128) either way; a real AWQ or GPTQ checkpoint is loaded as published (from_awq, from_gptq).
 "gguf": the bundled GGUF's own 4-bit blocks as INT4 W4A16 (quant/gguf_int4.py), not a quantization of float weights,
 so quantize_linears_ refuses it."""
