@@ -167,13 +167,13 @@ def _column_projection(x: torch.Tensor, weight: Projection, bias: torch.Tensor |
     return triton_gemv.gemv(x, weight, bias) if gemv else F.linear(x, weight, bias)
 
 
-def _row_projection(x: torch.Tensor, linear: nn.Module, num_parts: int, gemv: bool) -> torch.Tensor:
-    """x [T, K] @ linear's weight [N, K]ᵀ → [T, N]; num_parts > 1: split-K partials [S, T, N] fp32 for rms_norm to
-    sum (whole rows where num_parts does not divide K); on cuBLAS or (gemv) the Triton GEMV. A quantized layer runs
-    its own GEMM, whole rows."""
-    if _is_quantized(linear):
+def _row_projection(x: torch.Tensor, linear: nn.Module | torch.Tensor, num_parts: int, gemv: bool) -> torch.Tensor:
+    """x [T, K] @ the weight [N, K]ᵀ (a dense weight, or a layer's) → [T, N]; num_parts > 1: split-K partials
+    [S, T, N] fp32 for rms_norm to sum (whole rows where num_parts does not divide K); on cuBLAS or (gemv) the Triton
+    GEMV. A quantized layer runs its own GEMM, whole rows."""
+    if isinstance(linear, nn.Module) and _is_quantized(linear):
         return linear(x)
-    weight = linear.weight
+    weight = linear if isinstance(linear, torch.Tensor) else linear.weight
     if gemv:
         return triton_gemv.gemv(x, weight, parts=1 if x.shape[1] % num_parts else num_parts)
     if num_parts == 1 or x.shape[1] % num_parts:
