@@ -6,9 +6,11 @@ driven over HTTP by `radixserve bench`'s streaming client phase by phase; one JS
     python -m bench.served_suite --scale 0.01 --w1-input-len 100 --w1-output-len 100 --phases w1,w6 \\
         --w6-duration-s 60 --w6-concurrency 8        # CPU, bundled model, scaled down
 
-Phases share a server where their serve arguments agree: w1, w0 and w6 one; w1-nocache and w6-nocache
-(--no-prefix-cache added) another. Each phase's JSON is the one `radixserve bench` writes (its command
-reproduces the phase against any server), plus the serve command it ran against.
+Phases share a server where their serve arguments agree: w1, w0, w6 and b1 (W0's requests one at a time: the
+batch-1 TPOT) one; w1-nocache and w6-nocache (--no-prefix-cache added) another; w0-fp8, b1-fp8, w1-fp8 (with
+--quantization fp8) a third; b1-awq and w0-awq (--quantization awq) a fourth. Each phase's JSON is the one
+`radixserve bench` writes (its command reproduces the phase against any server), plus the serve command it ran
+against.
 """
 from __future__ import annotations
 
@@ -33,19 +35,23 @@ from radixserve.bench import report, runner
 from radixserve.bench.main import run_bench
 from radixserve.cli import build_parser
 
-# phase → (server group, workload, seed offset); a nocache phase sends its twin's requests
+# A phase is WORKLOAD or WORKLOAD-GROUP: the workload sent (b1: W0's shape one request at a time, the batch-1
+# TPOT) to the server of that group (its serve arguments added to --serve-args). A phase of another group sends
+# the same requests as its default twin, so the two compare request for request.
+WORKLOAD_SEEDS = {"w1": 0, "w0": 1, "w6": 2, "b1": 3}
+GROUP_SERVE_ARGS = {"default": [], "nocache": ["--no-prefix-cache"], "fp8": ["--quantization", "fp8"],
+                    "awq": ["--quantization", "awq"]}
+# phase → (server group, workload, seed offset)
 PHASES: dict[str, tuple[str, str, int]] = {
-    "w1": ("default", "w1", 0), "w0": ("default", "w0", 1), "w6": ("default", "w6", 2),
-    "w1-nocache": ("nocache", "w1", 0), "w6-nocache": ("nocache", "w6", 2),
-}
-GROUP_SERVE_ARGS = {"default": [], "nocache": ["--no-prefix-cache"]}
+    (w if g == "default" else f"{w}-{g}"): (g, w, seed) for g in GROUP_SERVE_ARGS for w, seed in WORKLOAD_SEEDS.items()}
 DEFAULT_VOCAB_SIZE = 32000  # below every vocabulary we serve (the bundled model's is 49,152)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.served_suite", description=__doc__.split("\n\n")[0])
     p.add_argument("--serve-args", default="", help="extra `radixserve serve` arguments (default none: the product)")
-    p.add_argument("--phases", default="w1,w1-nocache,w0,w6,w6-nocache", help=f"of {', '.join(PHASES)}")
+    p.add_argument("--phases", default="w1,w1-nocache,w0,w6,w6-nocache",
+                   help=f"of {', '.join(PHASES)} (WORKLOAD-GROUP: that group's serve arguments added)")
     p.add_argument("--out-dir", default=None, help="default bench/results/served_<date-time>")
     p.add_argument("--scale", type=float, default=1.0, help="multiplies W1's and W0's request counts")
     p.add_argument("--w1-requests", type=int, default=1000)
@@ -54,6 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--w0-requests", type=int, default=128)
     p.add_argument("--w0-input-len", type=int, default=512)
     p.add_argument("--w0-output-len", type=int, default=256)
+    p.add_argument("--b1-requests", type=int, default=4, help="b1: W0-shaped requests sent one after another")
     p.add_argument("--w6-duration-s", type=float, default=300.0)
     p.add_argument("--w6-concurrency", type=int, default=32)
     p.add_argument("--w6-sample-interval-s", type=float, default=10.0)
@@ -102,6 +109,10 @@ def bench_argv(phase: str, args: argparse.Namespace, url: str, vocab: int, out_d
                        "--sample-interval-s", f"{args.w6_sample_interval_s:g}",
                        "--prefix-len", str(args.w6_prefix_len), "--num-groups", str(args.w6_num_prefixes),
                        "--input-len", str(args.w6_input_len), "--output-len", str(args.w6_output_len)]
+    if workload == "b1":  # W0's requests, one in flight at a time
+        argv[argv.index("--workload") + 1] = "w0"
+        return argv + ["--rate", "inf", "--concurrency", "1", "--num-requests", str(args.b1_requests),
+                       "--input-len", str(args.w0_input_len), "--output-len", str(args.w0_output_len), "--no-progress"]
     num, input_len, output_len = (getattr(args, f"{workload}_{k}") for k in ("requests", "input_len", "output_len"))
     return argv + ["--rate", "inf", "--num-requests", str(max(1, round(num * args.scale))),
                    "--input-len", str(input_len), "--output-len", str(output_len), "--no-progress"]

@@ -15,7 +15,9 @@ def test_phases_share_servers_by_their_serve_arguments():
     args = served_suite.parse_args(["--phases", "w1,w1-nocache,w0,w6"])
     assert args.phase_list == ["w1", "w1-nocache", "w0", "w6"]
     assert [served_suite.PHASES[p][0] for p in args.phase_list] == ["default", "nocache", "default", "default"]
-    assert served_suite.GROUP_SERVE_ARGS == {"default": [], "nocache": ["--no-prefix-cache"]}
+    assert served_suite.GROUP_SERVE_ARGS["nocache"] == ["--no-prefix-cache"]
+    assert served_suite.GROUP_SERVE_ARGS["fp8"] == ["--quantization", "fp8"]
+    assert served_suite.PHASES["b1-fp8"] == ("fp8", "b1", 3) and served_suite.PHASES["w0-awq"] == ("awq", "w0", 1)
     with pytest.raises(SystemExit):
         served_suite.parse_args(["--phases", "w1,w9"])
 
@@ -36,6 +38,10 @@ def test_bench_argv_scales_counts_and_pairs_seeds():
     assert w6[w6.index("--concurrency") + 1] == "512" and w6[w6.index("--duration-s") + 1] == "600"
     assert w6[w6.index("--request-detail") + 1] == "none" and w6[w6.index("--prefix-len") + 1] == "1024"
     assert w6[w6.index("--seed") + 1] == "7"
+    b1 = served_suite.bench_argv("b1-fp8", args, "http://h:1", 128256, Path("out"))  # W0's shape, one at a time
+    assert b1[b1.index("--workload") + 1] == "w0" and b1[b1.index("--concurrency") + 1] == "1"
+    assert b1[b1.index("--num-requests") + 1] == "4" and b1[b1.index("--output-len") + 1] == "256"
+    assert b1[b1.index("--name") + 1] == "b1-fp8"
 
 
 def test_vocab_size_follows_the_served_model():
