@@ -16,6 +16,7 @@ construction, not a measure of Q4_1 against a float original.
 
     python -m bench.quant_quality --out bench/results/quant_quality_cpu.json
     python -m bench.quant_quality --variants int4_gptq int4_gguf --merge --out ...   # re-run some, keep the rest
+    python -m bench.quant_quality --variants fp8_gptq_checkpoint --checkpoint DIR --merge --out ...   # a written one
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.gpu_worker.model.loader import LoadedModel, bundled_gguf_path, load_bundled
+from services.gpu_worker.model.loader import LoadedModel, bundled_gguf_path, load_bundled, load_hf_dir
 from services.gpu_worker.model.registry import architecture_for_type
 from services.gpu_worker.quant.apply import quantize_linears_
 from services.gpu_worker.quant.awq import scale_activation_aware_
@@ -85,6 +86,19 @@ def build_model(loaded: LoadedModel) -> nn.Module:
     model = architecture_for_type(loaded.config.arch).model_class(loaded.config, None)
     model.load_weights(loaded.state_dict)
     return model.eval()
+
+
+def checkpoint_model(path: str) -> tuple[nn.Module, int, str]:
+    """A quantized checkpoint directory loaded in float32 as model_runner loads it: its quantized layers installed as
+    published, the dense rest around them; → (the model, how many quantized layers, its method)."""
+    loaded = load_hf_dir(path, torch.float32)
+    if not loaded.quantized_linears:
+        raise ValueError(f"{path} is not a quantized checkpoint")
+    model = architecture_for_type(loaded.config.arch).model_class(loaded.config, None)
+    dense = {name: w for name, w in loaded.state_dict.items()
+             if name.removesuffix(".weight") not in loaded.quantized_linears}
+    model.load_weights({**dense, **install_(model, loaded.quantized_linears)})
+    return model.eval(), len(loaded.quantized_linears), loaded.quantization
 
 
 def through_awq_layout_(model: nn.Module) -> None:
@@ -171,7 +185,12 @@ def main() -> None:
     parser.add_argument("--calibration-tokens", type=int, default=ON_LOAD_CALIBRATION_TOKENS,
                         help="calibration tokens in all (default: as many as serving calibrates on when it quantizes "
                              "on load)")
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=None,
+                        help="default: all, or none where --checkpoint is given")
+    parser.add_argument("--checkpoint", default=None,
+                        help="also score this quantized checkpoint directory (radixserve quantize --out DIR), loaded "
+                             "as serve --model DIR loads it")
+    parser.add_argument("--checkpoint-name", default="checkpoint", help="the checkpoint's result name")
     parser.add_argument("--merge", action="store_true", help="keep --out's other variants' results")
     parser.add_argument("--out", default=None, help="JSON result path")
     args = parser.parse_args()
@@ -180,17 +199,27 @@ def main() -> None:
     windows = token_windows(loaded, stdlib_text(args.tokens * 8), args.tokens, args.window)
     calibration = calibration_windows(loaded.tokenizer, args.calibration_tokens, args.window)
 
+    variants, targets = dict(VARIANTS), dict(TARGETS)
+    names = args.variants if args.variants is not None else ([] if args.checkpoint else list(VARIANTS))
+    if args.checkpoint:
+        names = [*names, args.checkpoint_name]
     base, reference = measure(build_model(loaded), windows, None)
     results = {"float32": base}
-    for name in args.variants:
+    for name in names:
         start = time.perf_counter()
-        model, replaced = quantized(loaded, name, args.group_size, calibration)
+        if name == args.checkpoint_name:
+            model, replaced, method = checkpoint_model(args.checkpoint)
+            variants[name] = (f"the {method} checkpoint {args.checkpoint}, as `radixserve quantize` wrote it and "
+                              "`serve --model DIR` loads it (quant/checkpoint.py: its layers as published)")
+            targets[name] = TARGETS["fp8" if method == "fp8" else "int4_awq"]
+        else:
+            model, replaced = quantized(loaded, name, args.group_size, calibration)
         quantize_seconds = time.perf_counter() - start
         result, _ = measure(model, windows, reference)
         result["perplexity_vs_float"] = round(result["perplexity"] / base["perplexity"] - 1, 4)
-        if name in TARGETS:
-            result["target_perplexity_vs_float"] = TARGETS[name]
-            result["within_target"] = result["perplexity_vs_float"] <= TARGETS[name]
+        if name in targets:
+            result["target_perplexity_vs_float"] = targets[name]
+            result["within_target"] = result["perplexity_vs_float"] <= targets[name]
         result["linears_quantized"] = replaced
         if name in CALIBRATED:
             result["calibration_seconds"] = round(quantize_seconds, 2)
@@ -207,13 +236,14 @@ def main() -> None:
               "calibration_text": f"docstrings of {len(CALIBRATION_MODULES)} other stdlib modules: "
                                   + ", ".join(CALIBRATION_MODULES),
               "calibration_tokens": sum(len(w) for w in calibration),
-              "lm_head": "dense (tied embedding)", "variants": VARIANTS, "results": results}
+              "lm_head": "dense (tied embedding)", "variants": variants, "results": results}
     report["measured_at_commit"] = {name: commit for name in results}
     if args.merge and args.out:
         with open(args.out) as f:
             kept = json.load(f)
         merged = {**kept["results"], **results}
-        report["results"] = {name: merged[name] for name in ("float32", *VARIANTS) if name in merged}
+        report["variants"] = {**kept["variants"], **variants}
+        report["results"] = {name: merged[name] for name in ("float32", *report["variants"]) if name in merged}
         report["measured_at_commit"] = {name: kept.get("measured_at_commit", {}).get(name, kept["commit"])
                                         for name in report["results"]} | report["measured_at_commit"]
     print(json.dumps(report, indent=2))

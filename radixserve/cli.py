@@ -1,4 +1,5 @@
-"""The `radixserve` command: `serve` the suite, `generate` offline on the engine, or `bench` a server."""
+"""The `radixserve` command: `serve` the suite, `generate` offline on the engine, `quantize` a model into a published
+quantized checkpoint, or `bench` a server."""
 from __future__ import annotations
 
 import argparse
@@ -28,6 +29,28 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--device", default="auto")
     gen.add_argument("--dtype", default="auto")
+    quantize = sub.add_parser(
+        "quantize", help="write a model's quantized weights once as a published checkpoint (compressed-tensors FP8, "
+                         "AutoAWQ, GPTQ v1); `serve --model OUT` then loads it as it is",
+        description="Quantize a model's decoder linear layers and write a Hugging Face directory: config.json with "
+                    "its quantization_config, model.safetensors (the quantized layers, the rest dense) and the "
+                    "tokenizer. Calibrated methods run the model over built-in text (stdlib docstrings) on this "
+                    "machine's CPU: GPTQ FP8 of the bundled model takes about 16 minutes on 2 cores.")
+    quantize.add_argument("--model", required=True,
+                          help='"bundled" (SmolLM2-135M-Instruct, from its GGUF), a dense Hugging Face directory, or '
+                               "random:<preset>")
+    quantize.add_argument("--method", required=True, choices=["fp8", "awq", "gptq"],
+                          help="fp8: e4m3 per channel, activations per token (compressed-tensors); awq: INT4, AutoAWQ "
+                               "GEMM layout; gptq: INT4, GPTQ v1 layout")
+    quantize.add_argument("--out", required=True, help="the directory to write (new or empty)")
+    quantize.add_argument("--calibration", choices=["gptq", "awq", "rtn"], default=None,
+                          help="how the weights are chosen: fp8 gptq (default) or rtn; awq awq (activation-aware "
+                               "scales, default) or rtn; gptq gptq (act-order, default) or rtn. rtn: round to "
+                               "nearest, seconds, no calibration text")
+    quantize.add_argument("--calibration-tokens", type=int, default=1024,
+                          help="calibration text tokens, in windows of up to 512 (default 1024)")
+    quantize.add_argument("--group-size", type=int, default=128,
+                          help="INT4 group size asked for; its gcd with every layer's input size is used")
     bench = sub.add_parser("bench", help="benchmark an OpenAI-compatible server (workloads W0-W6, a trace); "
                                          "the engine without HTTP: python -m bench.engine_offline")
     from radixserve.bench.main import add_bench_arguments
@@ -42,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         from radixserve.bench.main import run_bench
         return run_bench(args, argv[1:] if argv is not None else sys.argv[2:])
+    if args.command == "quantize":
+        return _quantize(args)
     if args.command == "serve":
         from radixserve.serve import run_serve
         return run_serve(args)
@@ -76,6 +101,18 @@ def _generate(args: argparse.Namespace) -> int:
             sys.stdout.flush()
             printed = text
     sys.stdout.write("\n")
+    return 0
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    from services.gpu_worker.quant.writer import quantize_checkpoint
+
+    try:
+        quantize_checkpoint(args.model, args.method, args.out, args.calibration, args.calibration_tokens,
+                            args.group_size, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -11,22 +11,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from services.gpu_worker.quant.fp8 import dequantize_fp8, quantize_weight_fp8
-from services.gpu_worker.quant.int4 import dequantize_int4, from_awq, from_gptq, quantize_int4, to_awq, to_gptq
+from services.gpu_worker.quant.int4 import dequantize_int4, quantize_int4
+from services.gpu_worker.quant.linear import QuantizedLinear
+from services.gpu_worker.quant.writer import as_written_, layer_tensors, quantization_config
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-QUANTIZATION_CONFIGS = {
-    "awq": lambda g: {"quant_method": "awq", "bits": 4, "group_size": g, "zero_point": True, "version": "gemm"},
-    "gptq": lambda g: {"quant_method": "gptq", "bits": 4, "group_size": g, "desc_act": False, "sym": False,
-                       "checkpoint_format": "gptq"},
-    "fp8": lambda g: {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
-                      "config_groups": {"group_0": {
-                          "targets": ["Linear"],
-                          "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "dynamic": False,
-                                      "symmetric": True},
-                          "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
-                                                "dynamic": True, "symmetric": True}}}},
-}
 
 
 def _is_linear(name: str) -> bool:
@@ -55,21 +44,15 @@ def write_quantized(dense_dir: Path, out_dir: Path, method: str, group_size: int
     save_file(dequantized, str(dequantized_dir / "model.safetensors"))
     config = json.loads((dense_dir / "config.json").read_text())
     (out_dir / "config.json").write_text(json.dumps(
-        {**config, "quantization_config": QUANTIZATION_CONFIGS[method](group_size)}, indent=1))
+        {**config, "quantization_config": quantization_config(method, group_size)}, indent=1))
     return out_dir, dequantized_dir
 
 
 def _quantize(weight: torch.Tensor, method: str, group_size: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """One [N, K] weight → (its checkpoint tensors, the float32 weight they dequantize to, as the loader reads them)."""
     if method == "fp8":
-        qweight, scale = quantize_weight_fp8(weight)
-        return {"weight": qweight, "weight_scale": scale[:, None]}, dequantize_fp8(qweight, scale)
-    int4 = quantize_int4(weight, group_size)
-    if method == "awq":
-        parts = to_awq(int4)
-        read = from_awq(parts["qweight"], parts["qzeros"], parts["scales"], group_size)
-    else:
-        parts = to_gptq(int4)
-        read = from_gptq(parts["qweight"], parts["qzeros"], parts["scales"], parts["g_idx"], group_size)
-    read.scales, read.zeros = read.scales.float(), read.zeros.float()
-    return parts, dequantize_int4(read).float()
+        layer = QuantizedLinear.fp8(*quantize_weight_fp8(weight))
+        return layer_tensors(layer, method), dequantize_fp8(layer.qweight, layer.weight_scale)
+    layer = QuantizedLinear.int4(quantize_int4(weight, group_size))
+    as_written_(layer, method)  # the scales rounded to fp16, as the checkpoint holds them
+    return layer_tensors(layer, method), dequantize_int4(layer.int4_weight()).float()

@@ -111,13 +111,16 @@ def fold_scale_(group: ScaleGroup, s: torch.Tensor) -> None:
         group.prev.weight.div_(s.to(group.prev.weight))
 
 
-def scale_activation_aware_(model: nn.Module, token_batches: list[list[int]], group_size: int = 128) -> list[float]:
+def scale_activation_aware_(model: nn.Module, token_batches: list[list[int]], group_size: int = 128,
+                            on_group: Callable[[int, float], None] | None = None) -> list[float]:
     """Search and fold s for every foldable group of every decoder layer of `model` (model.model.layers) on
-    `token_batches` run as sequence_logits runs them; → the α chosen for each group, in order.
+    `token_batches` run as sequence_logits runs them; → the α chosen for each group, in order. on_group(decoder
+    layer index, α) after each group is folded.
 
     One forward per sequence collects every group's input before any fold: a fold leaves the float model's output,
     and so every other group's input, unchanged (module docstring), and changes only its own group's, which the
     search accounts for."""
+    layer_of = [i for i, layer in enumerate(model.model.layers) for _ in scale_groups(layer)]
     groups = [group for layer in model.model.layers for group in scale_groups(layer)]
     if not groups:
         return []
@@ -134,7 +137,7 @@ def scale_activation_aware_(model: nn.Module, token_batches: list[list[int]], gr
     run_until_done(model, token_batches, handles)
     alphas = []
     quantize = int4_rtn(group_size)
-    for group, xs in zip(groups, inputs):
+    for layer_index, group, xs in zip(layer_of, groups, inputs):
         if not xs:
             continue
         x = torch.cat(xs)  # [T, K]
@@ -143,4 +146,6 @@ def scale_activation_aware_(model: nn.Module, token_batches: list[list[int]], gr
         fold_scale_(group, s)
         alphas.append(alpha)
         xs.clear()
+        if on_group is not None:
+            on_group(layer_index, alpha)
     return alphas

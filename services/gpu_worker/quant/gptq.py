@@ -136,19 +136,24 @@ def layer_groups(targets: list[tuple[str, nn.Module, str, nn.Linear]]
     `model.layers.3`; a name without one is its own group), in module order."""
     groups: dict[str, list] = defaultdict(list)
     for target in targets:
-        match = re.match(r"(.*?\.\d+)(\.|$)", target[0])
-        groups[match.group(1) if match else target[0]].append(target)
+        groups[_layer_name(target[0])].append(target)
     return list(groups.values())
+
+
+def _layer_name(qualified: str) -> str:
+    """`model.layers.3.mlp.up_proj` → `model.layers.3`; a name without a numeric component is its own."""
+    match = re.match(r"(.*?\.\d+)(\.|$)", qualified)
+    return match.group(1) if match else qualified
 
 
 def calibrate_gptq_(model: nn.Module, token_batches: list[list[int]], group_size: int = 128,
                     act_order: bool = False, skip: tuple[str, ...] = ("lm_head",), damp: float = 0.01,
-                    method: LinearMethod = "int4") -> int:
+                    method: LinearMethod = "int4", on_layer: Callable[[str, int], None] | None = None) -> int:
     """Replace each nn.Linear that quantize_linears_ would (not `skip`, not an MoE router) by a GPTQ-quantized
     QuantizedLinear (method "int4": groups of int4_group_size(K, group_size); "fp8": gptq_quantize_fp8, whose
     layers quantize their activations per token, so the next layer calibrates on what W8A8 feeds it), calibrated
     on `token_batches` (each one sequence run as sequence_logits runs it), one decoder layer at a time (module
-    docstring). → how many."""
+    docstring); on_layer(layer name, linears quantized in it) after each. → how many."""
     targets = linear_targets(model, skip)
     stand_ins: list = []  # fp8: (parent, name, QuantizedLinear, hook handle) installed at the end
     for group in layer_groups(targets):
@@ -193,6 +198,8 @@ def calibrate_gptq_(model: nn.Module, token_batches: list[list[int]], group_size
                     stand_ins.append((parent, name, layer, child.register_forward_pre_hook(_fp8_activations)))
                 else:
                     setattr(parent, name, layer)
+        if on_layer is not None:
+            on_layer(_layer_name(group[0][0]), len(group))
     for parent, name, layer, handle in stand_ins:
         handle.remove()
         setattr(parent, name, layer)
