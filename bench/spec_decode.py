@@ -1,13 +1,37 @@
-"""Offline: batch-1 TPOT with and without speculative decoding (n-gram prompt lookup) on an edit-a-passage workload.
+"""Offline: batch-1 TPOT with and without speculative decoding, on prompt lookup (n-gram) or a replay proposer.
 
-Each request gives the bundled chat model a passage of code and asks for it back with one small change (a rename), so
-most of the answer copies the prompt: the workload prompt lookup is made for. Two engines share the loaded weights,
-one plain and one with `speculative_method="ngram"`; rounds alternate which runs first, and each request's TPOT is
-(time of its last token - time of its first) / (tokens - 1), so prefill is left out. Reports the median TPOT of
-each engine, their ratio, whether the greedy outputs were identical, and the acceptance counters; then the same for
-free-form questions, whose answers copy little: the cost of speculation where its drafts mostly fail.
+N-gram mode (the default; CPU, bundled model): each request gives the bundled chat model a passage of code and asks
+for it back with one small change (a rename), so most of the answer copies the prompt: the workload prompt lookup is
+made for. Two engines share the loaded weights, one plain and one with `speculative_method="ngram"`; rounds
+alternate which runs first, and each request's TPOT is (time of its last token - time of its first) / (tokens - 1),
+so prefill is left out. Reports the median TPOT of each engine, their ratio, whether the greedy outputs were
+identical, and the acceptance counters; then the same for free-form questions, whose answers copy little: the cost
+of speculation where its drafts mostly fail.
 
     .venv/bin/python -m bench.spec_decode --threads 1 --out bench/results/spec_decode_cpu_$(date +%Y%m%d).json
+
+Replay mode (`--proposer replay`; any device, random weights of a real shape): the plain engine first decodes
+--num-prompts random token-id prompts greedily (EOS ignored) and its outputs are recorded; then, per --alpha, the
+speculating engine's proposer (spec/replay.py) proposes each sequence's recorded continuation from its current
+position, each draft the true token with probability alpha, so a draft is accepted with probability alpha given the
+ones before it were. Per alpha: the median TPOT of plain and speculative decoding (alternating rounds, same prompts),
+their ratio, the acceptance counters, and whether the outputs equal the recorded ones. Both engines are warmed up
+first (CUDA graphs are captured at engine start; Triton compiles each eager shape on first use), and on CUDA each
+request starts and ends on a synchronized device.
+
+    .venv/bin/python -m bench.spec_decode --device cuda --model random:llama3-8b --proposer replay --alpha 0.8 0 \\
+        --k 4 --out bench/results/spec_decode_h200_$(date +%Y%m%d).json
+    .venv/bin/python -m bench.spec_decode --device cpu --model random:tiny-llama --proposer replay --alpha 0.8 0 --k 4
+
+NOTE: verify steps run eager, not in the decode CUDA graphs. The graphs are captured per batch-size bucket for rows
+of one token each (cuda_graphs.py); a drafted row has 1 + d tokens, d changing per sequence and step as adaptive k
+moves, and takes the multi-token attention path, so graphs for it would be one per (batch, d) mix; none is built.
+A drafted step therefore pays an eager step's host launch cost (and is read at once, not overlapped), which its
+accepted tokens must win back. Steps in which nothing is drafted replay the graphs and overlap as a plain engine's.
+
+In bf16 a verify row's logits differ in rounding from the plain step's, so at a near-tie the speculative output may
+leave the recorded one (random weights make near-ties common); from there the replay proposer has no continuation
+and proposes nothing. The report gives each output's common prefix with the record and the TPOT over that prefix.
 """
 from __future__ import annotations
 
@@ -15,7 +39,10 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -25,6 +52,7 @@ from services.gpu_worker.engine import Engine
 from services.gpu_worker.engine_config import EngineConfig
 from services.gpu_worker.model.loader import load_model
 from services.gpu_worker.request import SamplingParams
+from services.gpu_worker.spec.replay import ReplayProposer
 from services.tokenizer.chat_prompt import chat_prompt_ids
 
 SYSTEM = "You are a code editor. You output the edited code only, copying every unchanged line exactly."
@@ -110,89 +138,216 @@ def prompts(engine: Engine) -> list[list[int]]:
             for code, ask in PASSAGES]
 
 
+def _sync(engine: Engine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def timed_request(engine: Engine, request_id: str, prompt: list[int],
-                  params: SamplingParams) -> tuple[list[int], float]:
-    """Run one request alone → its output tokens and its TPOT in seconds (first token to last, per token)."""
+                  params: SamplingParams) -> tuple[list[int], list[float]]:
+    """Run one request alone → its output tokens and the time each reached the host (perf_counter seconds)."""
+    _sync(engine)  # the previous request's device work is not this one's
     engine.add_request(request_id, prompt, params)
     tokens: list[int] = []
-    first_s = last_s = 0.0
+    stamps: list[float] = []
     while engine.has_unfinished():
         outputs = engine.step() or engine.flush()
-        now = time.perf_counter()
+        now = time.perf_counter()  # the step's tokens were read to the host: its device work is done
         for out in outputs:
-            if out.token_ids and not tokens:
-                first_s = now
             tokens += out.token_ids
-            last_s = now if out.token_ids else last_s
+            stamps += [now] * len(out.token_ids)
+    _sync(engine)
     engine.release_finished(request_id)
-    return tokens, (last_s - first_s) / max(len(tokens) - 1, 1)
+    return tokens, stamps
 
 
-def compare(engines: dict[str, Engine], batch: list[list[int]], params: SamplingParams, rounds: int,
-            label: str) -> dict:
-    """Alternating rounds of every prompt on each engine → TPOTs, medians, identity and the acceptance counters."""
+def tpot(stamps: list[float], num_tokens: int | None = None) -> float:
+    """Seconds per token from the first token to token num_tokens (default: the last): prefill left out."""
+    n = len(stamps) if num_tokens is None else num_tokens
+    return (stamps[n - 1] - stamps[0]) / max(n - 1, 1)
+
+
+def _counters(engine: Engine) -> dict:
+    m = engine.metrics
+    return {"num_drafts": m.num_spec_drafts, "num_draft_tokens": m.num_spec_draft_tokens,
+            "num_accepted_tokens": m.num_spec_accepted_tokens,
+            "acceptance_rate": round(m.num_spec_accepted_tokens / max(m.num_spec_draft_tokens, 1), 3),
+            "mean_accepted_length": round(1 + m.num_spec_accepted_tokens / max(m.num_spec_drafts, 1), 3)}
+
+
+def _rounds(engines: dict[str, Engine], batch: list[list[int]], params: SamplingParams, rounds: int,
+            label: str) -> tuple[dict[str, list[list[float]]], dict[str, dict[int, list[int]]]]:
+    """Alternating rounds of every prompt on each engine (metrics reset first) → per engine the token stamps of every
+    request run, and the last output of each prompt."""
     for engine in engines.values():
         engine.metrics = type(engine.metrics)()
-    tpot: dict[str, list[float]] = {name: [] for name in engines}
+    stamps: dict[str, list[list[float]]] = {name: [] for name in engines}
     outputs: dict[str, dict[int, list[int]]] = {name: {} for name in engines}
     for round_index in range(rounds):
         order = list(engines) if round_index % 2 == 0 else list(reversed(engines))
         for i, prompt in enumerate(batch):
             for name in order:
-                tokens, seconds = timed_request(engines[name], f"{label}{round_index}-{i}", prompt, params)
-                tpot[name].append(seconds)
+                tokens, times = timed_request(engines[name], f"{label}{round_index}-{i}", prompt, params)
+                stamps[name].append(times)
                 outputs[name][i] = tokens
-        print(f"{label} round {round_index}: " + ", ".join(f"{n} {statistics.median(t) * 1e3:.1f} ms"
-                                                          for n, t in tpot.items()), flush=True)
-    medians = {name: statistics.median(times) for name, times in tpot.items()}
-    m = engines["ngram"].metrics
+        print(f"{label} round {round_index}: " + ", ".join(
+            f"{n} {statistics.median(tpot(t) for t in runs) * 1e3:.2f} ms" for n, runs in stamps.items()), flush=True)
+    return stamps, outputs
+
+
+def compare(engines: dict[str, Engine], batch: list[list[int]], params: SamplingParams, rounds: int,
+            label: str) -> dict:
+    """N-gram mode: TPOTs of both engines, medians, identity and the acceptance counters."""
+    stamps, outputs = _rounds(engines, batch, params, rounds, label)
+    times = {name: [tpot(t) for t in runs] for name, runs in stamps.items()}
+    medians = {name: statistics.median(t) for name, t in times.items()}
     return {
         "num_prompts": len(batch), "prompt_tokens": [len(p) for p in batch],
         "output_tokens": [len(outputs["plain"][i]) for i in range(len(batch))],
         "is_identical": outputs["plain"] == outputs["ngram"],
-        "tpot_ms": {name: [round(t * 1e3, 2) for t in times] for name, times in tpot.items()},
+        "tpot_ms": {name: [round(t * 1e3, 2) for t in ts] for name, ts in times.items()},
         "median_tpot_ms": {name: round(t * 1e3, 2) for name, t in medians.items()},
         "speedup": round(medians["plain"] / medians["ngram"], 3),
-        "spec_decode": {"num_drafts": m.num_spec_drafts, "num_draft_tokens": m.num_spec_draft_tokens,
-                        "num_accepted_tokens": m.num_spec_accepted_tokens,
-                        "acceptance_rate": round(m.num_spec_accepted_tokens / max(m.num_spec_draft_tokens, 1), 3),
-                        "mean_accepted_length": round(1 + m.num_spec_accepted_tokens / max(m.num_spec_drafts, 1), 3)},
+        "spec_decode": _counters(engines["ngram"]),
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="bundled")
-    parser.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
-    parser.add_argument("--max-tokens", type=int, default=160)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    parser.add_argument("--out", default="")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, dtype=torch.float32)
-    base = dict(model=args.model, device="cpu", dtype="float32")
-    engines = {"plain": Engine(EngineConfig(**base), loaded=loaded),
-               "ngram": Engine(EngineConfig(**base, speculative_method="ngram", num_speculative_tokens=args.k),
-                               loaded=loaded)}
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def replay_alpha(engines: dict[str, Engine], batch: list[list[int]], recorded: list[list[int]],
+                 params: SamplingParams, alpha: float, rounds: int, seed: int) -> dict:
+    """Replay mode at one alpha: plain against speculative TPOT, the acceptance counters, identity to the record."""
+    spec = engines["spec"]
+    proposer = ReplayProposer({tuple(p): out for p, out in zip(batch, recorded)}, alpha,
+                              spec.model_config.vocab_size, seed)
+    spec.speculator.proposer = proposer
+    stamps, outputs = _rounds(engines, batch, params, rounds, f"a{alpha}-")
+    times = {name: [tpot(t) for t in runs] for name, runs in stamps.items()}
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    common = [_common_prefix(outputs["spec"][i], recorded[i]) for i in range(len(batch))]
+    # over each run's tokens up to its prompt's common prefix with the record (the whole output when identical)
+    prefix_tpot = [tpot(t, max(min(common[i % len(batch)], len(t)), 1)) for i, t in enumerate(stamps["spec"])]
+    return {
+        "alpha": alpha, "output_tokens": [len(outputs["spec"][i]) for i in range(len(batch))],
+        "is_identical": all(outputs["spec"][i] == recorded[i] for i in range(len(batch))),
+        "is_plain_identical": all(outputs["plain"][i] == recorded[i] for i in range(len(batch))),
+        "common_prefix_tokens": common,
+        "tpot_ms": {name: [round(t * 1e3, 3) for t in ts] for name, ts in times.items()},
+        "median_tpot_ms": {name: round(t * 1e3, 3) for name, t in medians.items()},
+        "tpot_ratio": round(medians["spec"] / medians["plain"], 3),
+        "median_spec_tpot_common_prefix_ms": round(statistics.median(prefix_tpot) * 1e3, 3),
+        "spec_decode": _counters(spec),
+        "replay": {"num_draft_tokens_proposed": proposer.num_proposed,
+                   "true_draft_rate": round(proposer.num_true / max(proposer.num_proposed, 1), 3),
+                   "num_diverged_proposals": proposer.num_diverged},
+    }
+
+
+def random_prompts(num: int, num_tokens: int, vocab_size: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab_size) for _ in range(num_tokens)] for _ in range(num)]
+
+
+def run_replay(args: argparse.Namespace, engines: dict[str, Engine]) -> dict:
+    """Record the plain engine's greedy outputs (its warm-up), warm the speculative engine up, then each alpha."""
+    plain, spec = engines["plain"], engines["spec"]
+    batch = random_prompts(args.num_prompts, args.prompt_tokens, plain.model_config.vocab_size, args.seed)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    recorded = [timed_request(plain, f"record-{i}", prompt, params)[0] for i, prompt in enumerate(batch)]
+    warmup = ReplayProposer({tuple(batch[0]): recorded[0]}, 0.5, plain.model_config.vocab_size, args.seed)
+    spec.speculator.proposer = warmup  # partial acceptance: drafted rows of every length up to k, then plain steps
+    timed_request(spec, "warmup", batch[0], params)
+    return {"num_prompts": len(batch), "prompt_tokens": args.prompt_tokens,
+            "alphas": {str(alpha): replay_alpha(engines, batch, recorded, params, alpha, args.rounds, args.seed)
+                       for alpha in args.alpha}}
+
+
+def run_ngram(args: argparse.Namespace, engines: dict[str, Engine]) -> dict:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     edits = prompts(engines["plain"])
     for engine in engines.values():  # warm-up
         timed_request(engine, "warmup", edits[0], SamplingParams(max_tokens=8, temperature=0.0))
-    result = {
-        "bench": "spec_decode", "model": args.model, "device": "cpu", "threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(), "platform": platform.platform(), "k": args.k, "max_tokens": args.max_tokens,
-        "rounds": args.rounds,
+    return {
         "edit": compare(engines, edits, params, args.rounds, "edit"),
         # free-form answers copy little: what speculation costs where it mostly fails (adaptive k backs off)
         "free": compare(engines, [chat_prompt_ids(engines["plain"].tokenizer, [{"role": "user", "content": q}])
                                   for q in QUESTIONS], params, args.rounds, "free"),
     }
+
+
+def build_engines(args: argparse.Namespace) -> dict[str, Engine]:
+    """A plain engine and a speculating one (n-gram proposer; replay mode swaps it) on the same loaded weights."""
+    base: dict = dict(model=args.model, device=args.device)
+    if args.device == "cpu":
+        base["dtype"] = "float32"
+    else:  # a small KV pool: two engines share the GPU, each sized from free memory would take it all
+        base.update(num_pages=args.num_pages, max_num_seqs=8)
+    config = EngineConfig(**base)
+    loaded = load_model(args.model, dtype=config.resolved_dtype(), device=config.resolved_device())
+    spec_name = "ngram" if args.proposer == "ngram" else "spec"
+    engines = {"plain": Engine(config, loaded=loaded),
+               spec_name: Engine(EngineConfig(**base, speculative_method="ngram", num_speculative_tokens=args.k),
+                                 loaded=loaded)}
+    loaded.state_dict.clear()  # each engine holds its own copy of the weights
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return engines
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--proposer", choices=("ngram", "replay"), default="ngram")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--model", default="bundled")
+    parser.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
+    parser.add_argument("--max-tokens", type=int, default=None, help="output tokens (default: 160 n-gram, 256 replay)")
+    parser.add_argument("--rounds", type=int, default=None, help="default: 5 n-gram, 2 replay")
+    parser.add_argument("--alpha", type=float, nargs="+", default=[0.8, 0.0],
+                        help="replay: the probability that a draft is the true token, one run each")
+    parser.add_argument("--num-prompts", type=int, default=4, help="replay: random token-id prompts")
+    parser.add_argument("--prompt-tokens", type=int, default=128, help="replay: tokens per prompt")
+    parser.add_argument("--num-pages", type=int, default=512, help="cuda: KV pages per engine")
+    parser.add_argument("--seed", type=int, default=0, help="replay: the prompts' and the drafts' seed")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args(argv)
+    is_replay = args.proposer == "replay"
+    if args.max_tokens is None:
+        args.max_tokens = 256 if is_replay else 160
+    if args.rounds is None:
+        args.rounds = 2 if is_replay else 5
+    return args
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engines = build_engines(args)
+    result = {
+        "bench": "spec_decode", "command": "python -m bench.spec_decode " + " ".join(
+            sys.argv[1:] if argv is None else argv),
+        "commit": _commit(), "date": time.strftime("%Y-%m-%d"), "proposer": args.proposer, "model": args.model,
+        "device": args.device, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+        "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+        "platform": platform.platform(), "k": args.k, "max_tokens": args.max_tokens, "rounds": args.rounds,
+        "overlap": engines["plain"].is_overlapped, "cuda_graphs": engines["plain"].graphs is not None,
+    }
+    result |= run_replay(args, engines) if args.proposer == "replay" else run_ngram(args, engines)
     print(json.dumps({k: ({kk: vv for kk, vv in v.items() if kk != "tpot_ms"} if isinstance(v, dict) else v)
                       for k, v in result.items()}, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return result
 
 
 if __name__ == "__main__":

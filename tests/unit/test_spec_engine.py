@@ -13,7 +13,7 @@ from services.gpu_worker.engine import Engine
 from services.gpu_worker.engine_config import EngineConfig
 from services.gpu_worker.model.loader import LoadedModel, load_model
 from services.gpu_worker.request import FinishReason, SamplingParams
-from services.gpu_worker.spec.proposer import ProposalRequest
+from services.gpu_worker.spec.replay import ReplayProposer
 from tests.unit.step_modes import MODE, step_mode  # noqa: F401 - step_mode: autouse, both modes
 
 PAGE = 4
@@ -69,28 +69,9 @@ def _assert_idle(engine: Engine) -> None:
     assert engine.pool.num_free + engine.cache.num_cached_pages == engine.num_pages - 1
 
 
-class ReplayProposer:
-    """Proposes each sequence's known greedy continuation, each draft replaced by a wrong token with probability
-    1 - alpha (seeded): verification then accepts a set share of them."""
-
-    def __init__(self, continuations: dict[tuple[int, ...], list[int]], alpha: float, seed: int = 0) -> None:
-        self.full = {prompt: list(prompt) + out for prompt, out in continuations.items()}
-        self.alpha, self.rng = alpha, random.Random(seed)
-        self.num_proposed = 0
-
-    def _full(self, token_ids: list[int]) -> list[int]:
-        return next(full for prompt, full in self.full.items() if list(token_ids[:len(prompt)]) == list(prompt))
-
-    def propose(self, requests: list[ProposalRequest]) -> list[list[int]]:
-        out = []
-        for r in requests:
-            truth = self._full(list(r.token_ids))[len(r.token_ids):len(r.token_ids) + r.k]
-            out.append([t if self.rng.random() < self.alpha else (t + 1) % VOCAB for t in truth])
-            self.num_proposed += len(out[-1])
-        return out
-
-    def forget(self, request_id: str, index: int = 0) -> None:
-        pass
+def _replay(continuations: dict[tuple[int, ...], list[int]], alpha: float, seed: int = 0) -> ReplayProposer:
+    """Each sequence's known greedy continuation, each draft the true token with probability alpha (spec/replay.py)."""
+    return ReplayProposer(continuations, alpha, VOCAB, seed)
 
 
 @functools.cache
@@ -115,7 +96,7 @@ def test_replayed_drafts_give_plain_greedy_output_at_any_acceptance(alpha: float
     prompts = _prompts()
     want = _plain("long")
     engine = _spec_engine(k=5)
-    engine.speculator.proposer = ReplayProposer({tuple(p): w[0] for p, w in zip(prompts, want)}, alpha)
+    engine.speculator.proposer = _replay({tuple(p): w[0] for p, w in zip(prompts, want)}, alpha)
     _assert_same(_outputs(engine, prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)), want)
     accepted = engine.metrics.num_spec_accepted_tokens
     assert (accepted == 0) if alpha == 0.0 else accepted > 0
@@ -186,7 +167,7 @@ def test_max_tokens_is_exact_when_drafts_would_run_past_it(max_tokens: int) -> N
     prompts = _prompts()
     want = _plain("long")
     engine = _spec_engine(k=5)
-    engine.speculator.proposer = ReplayProposer({tuple(p): w[0] for p, w in zip(prompts, want)}, 1.0)
+    engine.speculator.proposer = _replay({tuple(p): w[0] for p, w in zip(prompts, want)}, 1.0)
     got = _outputs(engine, prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     for (tokens, reason, _), (full, _, _) in zip(got, want):
         assert tokens == full[:max_tokens]
@@ -198,7 +179,7 @@ def test_a_stop_token_inside_accepted_drafts_truncates_the_rest() -> None:
     prompts = _prompts()
     want = _plain("long")
     engine = _spec_engine(k=5)
-    engine.speculator.proposer = ReplayProposer({tuple(p): w[0] for p, w in zip(prompts, want)}, 1.0)
+    engine.speculator.proposer = _replay({tuple(p): w[0] for p, w in zip(prompts, want)}, 1.0)
     stops = [w[0][9] for w in want]  # the 10th token of each output (an earlier equal token stops it first)
     params = [SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=(stop,)) for stop in stops]
     got = _outputs(engine, prompts, params)
@@ -214,7 +195,7 @@ def test_the_pool_gets_every_page_back_after_many_speculative_requests() -> None
     start = engine.pool.num_free
     prompts = _prompts(num=12, seed=3)
     want = _outputs(_engine(enable_overlap=False, enable_prefix_cache=False), prompts)
-    engine.speculator.proposer = ReplayProposer({tuple(p): w[0] for p, w in zip(prompts, want)}, 0.6, seed=5)
+    engine.speculator.proposer = _replay({tuple(p): w[0] for p, w in zip(prompts, want)}, 0.6, seed=5)
     for _ in range(3):
         _assert_same(_outputs(engine, prompts), want)
         assert engine.pool.num_free == start
@@ -227,7 +208,7 @@ def test_rejected_drafts_never_reach_the_prefix_cache() -> None:
     prompts = _prompts()
     want = _plain("long")
     engine = _spec_engine(k=5)
-    engine.speculator.proposer = ReplayProposer({tuple(p): w[0] for p, w in zip(prompts, want)}, 0.5, seed=2)
+    engine.speculator.proposer = _replay({tuple(p): w[0] for p, w in zip(prompts, want)}, 0.5, seed=2)
     _outputs(engine, prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
     for prompt, (full, _, _) in zip(prompts, want):  # everything cached is a prefix of prompt + its true output
         sequence = prompt + full
@@ -241,7 +222,7 @@ def test_speculation_that_accepts_nothing_backs_off() -> None:
     want = _outputs(_engine(enable_overlap=False), prompts, SamplingParams(max_tokens=60, temperature=0.0,
                                                                           ignore_eos=True))
     engine = _spec_engine(k=4)
-    proposer = ReplayProposer({tuple(prompts[0]): want[0][0]}, 0.0)
+    proposer = _replay({tuple(prompts[0]): want[0][0]}, 0.0)
     engine.speculator.proposer = proposer
     _assert_same(_outputs(engine, prompts, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)), want)
     # 4 + 2 + 1 drafts, then a probe of 1 every 16 steps: far fewer than 4 a step
@@ -253,7 +234,7 @@ def test_rejected_drafts_give_their_pages_back_at_once() -> None:
     prompts = _prompts()
     want = _plain("long")
     engine = _spec_engine(k=6, enable_prefix_cache=False)
-    engine.speculator.proposer = ReplayProposer({tuple(p): w[0] for p, w in zip(prompts, want)}, 0.3, seed=4)
+    engine.speculator.proposer = _replay({tuple(p): w[0] for p, w in zip(prompts, want)}, 0.3, seed=4)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, params)
@@ -275,7 +256,7 @@ def test_penalties_and_logit_bias_see_the_drafts_before_each_position() -> None:
     prompts = _prompts()
     want = _outputs(_engine(enable_overlap=False), prompts, params)
     engine = _spec_engine()
-    engine.speculator.proposer = ReplayProposer({tuple(p): w[0] for p, w in zip(prompts, want)}, 0.7, seed=1)
+    engine.speculator.proposer = _replay({tuple(p): w[0] for p, w in zip(prompts, want)}, 0.7, seed=1)
     _assert_same(_outputs(engine, prompts, params), want)
     assert engine.metrics.num_spec_accepted_tokens > 0
 

@@ -7,7 +7,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.gpu_worker.engine_loop import engine_metrics
 from services.gpu_worker.request import SamplingParams
 from services.scheduler.metrics import SchedulerMetrics
-from tests.unit.test_spec_engine import ReplayProposer, _engine, _prompts
+from tests.unit.test_spec_engine import _engine, _prompts, _replay
 
 
 def test_drafts_and_accepted_tokens_are_counted_and_exported() -> None:
@@ -15,7 +15,7 @@ def test_drafts_and_accepted_tokens_are_counted_and_exported() -> None:
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     want = _engine(enable_overlap=False).generate([prompt], params)[0].samples[0].token_ids
     engine = _engine(enable_overlap=False, speculative_method="ngram", num_speculative_tokens=5)
-    engine.speculator.proposer = ReplayProposer({tuple(prompt): want}, alpha=1.0)
+    engine.speculator.proposer = _replay({tuple(prompt): want}, alpha=1.0)
     assert engine.generate([prompt], params)[0].samples[0].token_ids == want
     # prefill gives token 1; then 5 drafts all accepted + 1 (7 tokens), then 4 drafts (max_tokens leaves 5) + 1
     snapshot = engine_metrics(engine)

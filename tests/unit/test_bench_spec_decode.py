@@ -1,0 +1,36 @@
+"""bench.spec_decode's replay mode on a tiny random model on the CPU: outputs identical to the plain engine's record,
+acceptance exact at alpha 1 and 0, and the report's fields."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench import spec_decode
+
+
+def test_replay_mode_reports_exact_acceptance_at_alpha_one_and_zero(tmp_path: Path) -> None:
+    out = tmp_path / "spec.json"
+    result = spec_decode.main(["--device", "cpu", "--model", "random:tiny-llama", "--proposer", "replay",
+                               "--alpha", "1", "0", "--k", "4", "--num-prompts", "2", "--prompt-tokens", "16",
+                               "--max-tokens", "24", "--rounds", "1", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert (result["device"], result["gpu"], result["k"], result["num_prompts"]) == ("cpu", None, 4, 2)
+    assert result["commit"] and result["torch"]
+    every, none = result["alphas"]["1.0"], result["alphas"]["0.0"]
+    for run in (every, none):
+        assert run["is_identical"] and run["is_plain_identical"]
+        assert run["output_tokens"] == [24, 24] and run["common_prefix_tokens"] == [24, 24]
+        assert [len(t) for t in run["tpot_ms"].values()] == [2, 2]
+        assert run["tpot_ratio"] == round(run["median_tpot_ms"]["spec"] / run["median_tpot_ms"]["plain"], 3)
+    assert every["spec_decode"]["acceptance_rate"] == 1.0 and every["replay"]["true_draft_rate"] == 1.0
+    assert every["spec_decode"]["num_accepted_tokens"] == every["spec_decode"]["num_draft_tokens"] > 0
+    assert every["spec_decode"]["mean_accepted_length"] > 4  # k + 1 per verified row, fewer only near max_tokens
+    assert none["spec_decode"]["num_draft_tokens"] > 0 and none["spec_decode"]["num_accepted_tokens"] == 0
+    assert none["replay"]["true_draft_rate"] == 0.0
+
+
+def test_tpot_leaves_prefill_out_and_may_stop_at_a_prefix() -> None:
+    stamps = [10.0, 10.5, 11.0, 11.0, 13.0]
+    assert spec_decode.tpot(stamps) == 3.0 / 4
+    assert spec_decode.tpot(stamps, 3) == 1.0 / 2
+    assert spec_decode.tpot([4.0]) == 0.0
