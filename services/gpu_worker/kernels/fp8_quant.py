@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+_FP8_MAX = tl.constexpr(FP8_MAX)  # the kernels' copy: a jit kernel's global must be a constexpr
 
 
 @triton.jit
@@ -23,11 +24,11 @@ def _quantize_rows_kernel(x_ptr, stride_x, q_ptr, stride_q, scale_ptr, cols, BLO
         x = tl.load(x_ptr + row * stride_x + start + offs, mask=start + offs < cols, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
     row_max = tl.max(amax, axis=0)
-    scale = tl.where(row_max > 0, row_max / FP8_MAX, 1.0)
+    scale = tl.where(row_max > 0, row_max / _FP8_MAX, 1.0)
     tl.store(scale_ptr + row, scale)
     for start in range(0, cols, BLOCK):
         x = tl.load(x_ptr + row * stride_x + start + offs, mask=start + offs < cols, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+        q = tl.minimum(tl.maximum(x / scale, -_FP8_MAX), _FP8_MAX)
         tl.store(q_ptr + row * stride_q + start + offs, q.to(q_ptr.dtype.element_ty), mask=start + offs < cols)
 
 
