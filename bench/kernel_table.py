@@ -10,7 +10,7 @@ over inputs of its own, and one replay (do_bench flushes L2 before it) is divide
 from DRAM, and a row is what the kernel costs as a node of the engine's graphs: its GPU time plus the gap to the
 next node. The row `empty`, a kernel of one program that does nothing, is that floor.
 
-    python -m bench.kernel_table --out $OUT [--tile-sweep] [--split-sweep] [--gemv-sweep]   # Llama-3.1-8B, on the GPU
+    python -m bench.kernel_table --out $OUT [--tile-sweep] [--split-sweep] [--gemv-sweep] [--w4a16-sweep]  # Llama-3.1-8B
     python -m bench.kernel_table --out $OUT --no-table --moe [--moe-tiles 16,64,64,4,2;...]  # Qwen3-30B-A3B's MoE
 
 The sweeps time one kernel over its options: the decode kernel by tile at small batches and by split count at large
@@ -390,6 +390,30 @@ class Table:
         return self.measure(f"gemv_{name}_M{tokens}_p{parts}_{label}", (n + tokens) * k * self.esize + out_bytes,
                             build)
 
+    def w4a16(self, name: str, tokens: int, n: int, k: int, config: tuple | None = None,
+              group_size: int = 128) -> dict:
+        """x [tokens, k] @ Wᵀ with W [n, k] as INT4 (kernels/w4a16.py's layout, groups of group_size) on the W4A16
+        kernel with `config` (W4A16Config fields; None: config_for's)."""
+        from services.gpu_worker.kernels import w4a16 as w4
+
+        cfg = None if config is None else w4.W4A16Config(*config)
+
+        def build(i: int):
+            x = self.randn(tokens, k)
+            qweight = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // w4.PACK), dtype=torch.int32, device=self.dev)
+            scales = (torch.rand(n, k // group_size, device=self.dev) * 0.02).to(self.dtype)
+            zeros = torch.randint(0, 16, (n, k // group_size), device=self.dev).to(self.dtype)
+            call = lambda: w4.w4a16_matmul(x, qweight, scales, zeros, group_size, config=cfg)  # noqa: E731
+
+            def error() -> float:
+                ref = x.float() @ w4.dequantize_reference(qweight, scales, zeros, group_size).float().t()
+                return rel_err(call(), ref)
+            return call, error
+
+        num_bytes = n * k // 2 + 2 * n * (k // group_size) * self.esize + tokens * (n + k) * self.esize
+        label = "default" if config is None else "{}x{}x{}w{}s{}".format(*config)
+        return self.measure(f"w4a16_{name}_M{tokens}_{label}", num_bytes, build)
+
 
 def table(shapes: Shapes = LLAMA3_8B, timer: Timer = graph_timer, max_calls: int = MAX_CALLS,
           copy_tbs: float | None = None, device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> dict:
@@ -504,6 +528,29 @@ def gemv_sweep(shapes: Shapes = LLAMA3_8B, timer: Timer = graph_timer, max_calls
     return {"rows": t.rows, "best": best}
 
 
+W4A16_TILES = tuple((1, bn, bk, w, 1) for bn in (1, 2, 4, 8) for bk in (1024, 2048, 4096) for w in (4, 8))
+
+
+def w4a16_sweep(shapes: Shapes = LLAMA3_8B, timer: Timer = graph_timer, max_calls: int = MAX_CALLS,
+                copy_tbs: float | None = None, device: str = "cuda", tiles: tuple = W4A16_TILES,
+                dtype: torch.dtype = torch.bfloat16, group_size: int = 128) -> dict:
+    """Each projection of `shapes` at one token on the INT4 kernel (kernels/w4a16.py): at config_for's tile and at
+    each of `tiles` no wider than K, beside the bf16 weights on cuBLAS → {"rows", "best": per projection the fastest
+    tile, its µs and fraction of copy, the default tile's µs and cuBLAS bf16's µs}."""
+    t = Table(shapes, timer, max_calls, copy_tbs, device, dtype)
+    best = {}
+    for name, n, k, _ in gemv_shapes(shapes):
+        if name == "lm_head":  # served dense (quantization leaves the LM head alone)
+            continue
+        dense = t.gemv(name, 1, n, k, 1)
+        default = t.w4a16(name, 1, n, k, group_size=group_size)
+        tried = {cfg: t.w4a16(name, 1, n, k, cfg, group_size) for cfg in tiles if cfg[2] <= k}
+        cfg = min(tried, key=lambda c: tried[c]["us"])
+        best[name] = {"n": n, "k": k, "config": list(cfg), "us": tried[cfg]["us"], "of_copy": tried[cfg].get("of_copy"),
+                      "default_us": default["us"], "bf16_cublas_us": dense["us"]}
+    return {"rows": t.rows, "best": best}
+
+
 def gemv_tuning(best: dict, tokens: int = 1) -> tuple[dict, int]:
     """gemv_sweep's "best" → (kernels/gemv.TUNED entries for `tokens`: each shape's fastest tile; ROW_PARTS: the split
     count at which o's and down's fastest tiles sum to the least time)."""
@@ -551,6 +598,8 @@ def main() -> int:
                    "(SPLIT_SHAPES x SPLIT_COUNTS), under the key split_sweep")
     p.add_argument("--gemv-sweep", action="store_true", help="also the projections on cuBLAS and on the Triton GEMV "
                    "by tile and split count at 1 and 8 tokens (gemv_sweep), under the key gemv_sweep")
+    p.add_argument("--w4a16-sweep", action="store_true", help="also the projections at one token on the INT4 "
+                   "kernel by tile (w4a16_sweep), under the key w4a16_sweep")
     p.add_argument("--moe", action="store_true", help="also the fused MoE layer on Qwen3-30B-A3B's expert shapes "
                    "(moe_rows), under the key moe")
     p.add_argument("--moe-tiles", default="", help="--moe with these tiles (block_m,block_n,block_k,warps,stages "
@@ -576,11 +625,12 @@ def main() -> int:
     moe = functools.partial(moe_rows, tiles=moe_tiles or (None,))
     parts = (({} if args.no_table else {"rows": table}) | ({"tile_sweep": sweep} if args.tile_sweep else {})
              | ({"split_sweep": split_sweep} if args.split_sweep else {})
-             | ({"gemv_sweep": gemv_sweep} if args.gemv_sweep else {}) | ({"moe": moe} if args.moe else {}))
+             | ({"gemv_sweep": gemv_sweep} if args.gemv_sweep else {})
+             | ({"w4a16_sweep": w4a16_sweep} if args.w4a16_sweep else {}) | ({"moe": moe} if args.moe else {}))
     for key, run in parts.items():
         record[key] = run(copy_tbs=copy_tbs)
         (out / "kernel_table.json").write_text(json.dumps(record, indent=2))
-        print(markdown(record[key]["rows"] if key == "gemv_sweep" else record[key]), flush=True)
+        print(markdown(record[key]["rows"] if key in ("gemv_sweep", "w4a16_sweep") else record[key]), flush=True)
     return 0
 
 

@@ -118,3 +118,22 @@ def test_the_moe_rows_check_the_fused_layer_and_count_the_experts_hit():
     assert rows["moe_E4_k2_T1"]["bytes"] == 2 * expert_bytes + 2 * 32 * esize  # one token: its 2 experts
     everyone = kt.moe_rows(kt.MoeShapes(32, 24, 4, 4, (3,)), timer=timer, max_calls=2, device=DEVICE, dtype=dtype)
     assert everyone["moe_E4_k4_T3"]["bytes"] == 4 * expert_bytes + 2 * 3 * 32 * esize
+
+
+def test_the_w4a16_sweep_checks_each_tile_against_the_dequantized_weight():
+    """Each projection but the LM head at one token: the INT4 kernel at its default tile and each tile that fits K
+    matches the dequantized matmul; "best" names the fastest of the tiles tried, beside the default and bf16 rows."""
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    timer = kt.graph_timer if DEVICE == "cuda" else kt.eager_timer
+    tiles = ((1, 2, 32, 4, 1), (1, 4, 64, 4, 1), (1, 2, 128, 4, 1))  # 128 is wider than every K here (64, 96)
+    res = kt.w4a16_sweep(SMALL, timer=timer, max_calls=2, device=DEVICE, dtype=dtype, tiles=tiles, group_size=32)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    for name, row in res["rows"].items():
+        assert row["rel_err"] <= tol, (name, row)
+    assert set(res["best"]) == {"qkv", "o", "gate_up", "down"}
+    assert not any(key.endswith("1x2x128w4s1") for key in res["rows"]) and "w4a16_down_M1_1x4x64w4s1" in res["rows"]
+    for name, b in res["best"].items():
+        fastest = min((r["us"], key) for key, r in res["rows"].items()
+                      if key.startswith(f"w4a16_{name}_M1_") and not key.endswith("default"))
+        assert b["us"] == fastest[0] and fastest[1].endswith("{}x{}x{}w{}s{}".format(*b["config"]))
+        assert b["default_us"] == res["rows"][f"w4a16_{name}_M1_default"]["us"]

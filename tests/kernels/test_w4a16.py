@@ -115,24 +115,28 @@ def _compile_default_tiles_for_sm90(out_dir: str) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = w4._w4a16_kernel
-    for m in (1, 8, 40, 300):
-        cfg = w4.config_for(m, 4096, 4096)
-        for one_group in (True, False):
-            consts = {"HAS_BIAS": True, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
-                      "ONE_GROUP": one_group, "IEEE_DOT": False}
+    for m, k in (1, 4096), (1, 14336), (8, 4096), (40, 4096), (300, 4096):
+        cfg = w4.config_for(m, 4096, k)
+        for one_group in (True, False) if m > 1 else (None,):  # the one-token kernel gathers a scale per word
+            if m == 1:
+                fn = w4._w4a16_gemv_kernel
+                consts = {"HAS_BIAS": True, "BLOCK_N": cfg.block_n, "BLOCK_W": cfg.block_k // w4.PACK}
+            else:
+                fn = w4._w4a16_kernel
+                consts = {"HAS_BIAS": True, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+                          "ONE_GROUP": one_group, "IEEE_DOT": False}
             sig = {a: "constexpr" if a in consts else "*i32" if a == "q_ptr" else "*bf16" if a.endswith("_ptr")
                    else "i32" for a in fn.arg_names}
             src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(a),): v for a, v in consts.items()})
             kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                     options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-            path = os.path.join(out_dir, f"m{m}_{one_group}.cubin")
+            path = os.path.join(out_dir, f"m{m}_k{k}_{one_group}.cubin")
             with open(path, "wb") as f:
                 f.write(kernel.asm["cubin"])
             usage = subprocess.run([_CUOBJDUMP, "--dump-resource-usage", path], capture_output=True, text=True,
                                    check=True).stdout
             fields = dict(f.split(":") for f in next(line for line in usage.splitlines() if "REG:" in line).split())
-            print(json.dumps({"m": m, "block_m": cfg.block_m, "one_group": one_group, "reg": int(fields["REG"]),
+            print(json.dumps({"m": m, "k": k, "block_m": cfg.block_m, "one_group": one_group, "reg": int(fields["REG"]),
                               "stack": int(fields["STACK"]), "local": int(fields["LOCAL"]),
                               "wgmma": "wgmma.mma_async" in kernel.asm["ptx"]}))
 
@@ -157,7 +161,7 @@ def test_the_default_tiles_compile_for_sm90_without_spilling(tmp_path):
                          text=True, env=env, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     tiles = [json.loads(line) for line in run.stdout.splitlines()]
-    assert len(tiles) == 8
+    assert len(tiles) == 8  # one token at two widths of K; 8, 40 and 300 tokens with each way of loading scales
     for tile in tiles:
         assert tile["stack"] == 0 and tile["local"] == 0, tile
         assert tile["wgmma"] == (tile["block_m"] >= 64), tile

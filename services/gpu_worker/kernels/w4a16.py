@@ -9,8 +9,11 @@ The layout (internal; the loader converts AWQ and GPTQ checkpoints into it):
 One kernel, two kinds of tile, picked by M (`w4a16_linear`):
 - decode, M ≤ DECODE_MAX_TOKENS (16): the GEMV of kernels/gemv.py with the weight unpacked on the fly. One program
   owns BLOCK_N rows of W and one of `parts` slices of K and covers every row of x, so each packed word is read and
-  dequantized once a call. One token multiplies element-wise into a [BLOCK_N, BLOCK_K] fp32 accumulator and sums
-  across K at the end; 2..16 tokens pad x to 16 rows and use tl.dot.
+  dequantized once a call. One token has a kernel of its own (_w4a16_gemv_kernel): it never materialises the
+  unpacked [BLOCK_N, BLOCK_K] tile, but multiplies nibble i of each word by x[8j + i] and applies the word's scale
+  and zero once to its sums (the first version unpacked by reshape and gathered a scale and a zero per weight: on an
+  H100, Llama-3.1-8B's batch-1 step took 18.1 ms, 11.2x its roofline, 96 % of it in this kernel). 2..16 tokens pad
+  x to 16 rows and use tl.dot.
 - prefill, M > 16: a tiled GEMM (BLOCK_M x BLOCK_N x BLOCK_K, tl.dot): each program dequantizes its [BLOCK_N,
   BLOCK_K] tile of W to x's dtype in registers and multiplies it by BLOCK_M rows of x, so W is read and dequantized
   cdiv(M, BLOCK_M) times — once per 64 or 128 rows.
@@ -22,9 +25,9 @@ dtype once a call, then torch.nn.functional.linear — moves 4.5 bytes a weight 
 instead of half a byte a BLOCK_M rows, and needs an N x K temporary per call; at large M both are compute-bound, and
 whether cuBLAS on the temporary would beat this Triton GEMM there is unmeasured.
 
-Words are unpacked by broadcasting each loaded word against the 8 shifts 0, 4, .., 28 and masking with 0xF (a
-negative int32 shifts arithmetically, but the mask keeps only the nibble), then reshaping [BLOCK_N, BLOCK_K // 8, 8]
-to [BLOCK_N, BLOCK_K], which puts nibble i of word j at column 8j + i. A block of K inside one group (G a multiple
+In the dot tiles, words are unpacked by broadcasting each loaded word against the 8 shifts 0, 4, .., 28 and masking
+with 0xF (a negative int32 shifts arithmetically, but the mask keeps only the nibble), then reshaping [BLOCK_N,
+BLOCK_K // 8, 8] to [BLOCK_N, BLOCK_K], which puts nibble i of word j at column 8j + i. A block of K inside one group (G a multiple
 of BLOCK_K) loads one scale and zero per row; otherwise each column gathers its group's.
 
 Tiles are untuned (no GPU has timed them); ptxas for sm_90 fits them without spills: `config_for` below.
@@ -51,13 +54,12 @@ class W4A16Config(NamedTuple):
 
 def config_for(num_tokens: int, n: int, k: int, parts: int = 1) -> W4A16Config:
     """Untuned tiles, chosen only so that ptxas for sm_90 fits each in registers without spilling (bf16, both ways of
-    loading scales; tests/kernels/test_w4a16.py checks it offline). One token: 4 rows by up to 2048 columns of a part
-    of K over 8 warps (4 KiB of packed words a tile; 4 warps took 254 registers with the per-column scales). 2..16
-    tokens: gemv.py's 16 x 16 x 256 dot tile. Prefill: 64 x 128 x 64 over 8 warps up to 64 rows (4 warps spilled),
+    loading scales; tests/kernels/test_w4a16.py checks it offline). One token: the bf16 GEMV's tiles (2 rows by up
+    to 4096 columns, 4 warps), a quarter of the bytes each. 2..16 tokens: gemv.py's 16 x 16 x 256 dot tile. Prefill: 64 x 128 x 64 over 8 warps up to 64 rows (4 warps spilled),
     else 128 x 128 x 32 (x 64 spilled with per-column scales)."""
     width = triton.next_power_of_2(max(16, k // parts))
-    if num_tokens == 1:
-        return W4A16Config(1, 4, min(2048, width), 8)
+    if num_tokens == 1:  # kernels/gemv.py's one-token tiles: 2 rows by up to 4096 columns, 4 by 2048 past that
+        return W4A16Config(1, 2, width, 4) if width <= 4096 else W4A16Config(1, 4, 2048, 4)
     if num_tokens <= DECODE_MAX_TOKENS:
         return W4A16Config(DECODE_MAX_TOKENS, 16, min(256, width), 4)
     if num_tokens <= 64:
@@ -91,6 +93,43 @@ def _dequant_tile(q_ptr, s_ptr, z_ptr, offs_n, mask_n, k_start, k_end, group_siz
 
 
 @triton.jit
+def _w4a16_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, k_per_part, group_size, stride_qn, stride_sn,
+                       stride_op, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    """One token: out[part, 0, n] = Σ_k x[k] w[n, k] over the part's slice of K, BLOCK_W packed words (8·BLOCK_W
+    columns) of BLOCK_N rows a step. Per word, Σ_k (q − z)·s·x = s·(Σ_i q_i·x_{8j+i} − z·Σ_i x_{8j+i}): nibble i of
+    every word multiplies the strided x[8j + i] (no reshape of the unpacked tile), and the word's group scale and
+    zero (gathered per word, an eighth of the weights) apply once to the word's sums."""
+    pid_n = tl.program_id(0)
+    part = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    w_lo = part * (k_per_part // 8)  # first word of this part
+    w_end = w_lo + k_per_part // 8
+    words_per_group = group_size // 8
+    acc = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+    for w0 in range(w_lo, w_end, BLOCK_W):
+        offs_w = w0 + tl.arange(0, BLOCK_W)
+        mask_w = offs_w < w_end
+        mask = mask_n[:, None] & mask_w[None, :]
+        words = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_w[None, :], mask=mask, other=0,
+                        eviction_policy="evict_first")  # [BLOCK_N, BLOCK_W] int32
+        dot = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+        xsum = tl.zeros([BLOCK_W], dtype=tl.float32)
+        for i in tl.static_range(8):
+            xi = tl.load(x_ptr + offs_w * 8 + i, mask=mask_w, other=0.0).to(tl.float32)  # [BLOCK_W]
+            dot += ((words >> (4 * i)) & 0xF).to(tl.float32) * xi[None, :]
+            xsum += xi
+        g_off = offs_n[:, None] * stride_sn + (offs_w // words_per_group)[None, :]
+        s = tl.load(s_ptr + g_off, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g_off, mask=mask, other=0.0).to(tl.float32)
+        acc += s * (dot - z * xsum[None, :])
+    out = tl.sum(acc, axis=1)  # [BLOCK_N]
+    if HAS_BIAS:
+        out += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + part * stride_op + offs_n, out.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
 def _w4a16_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, k_per_part, group_size, stride_xm, stride_qn,
                   stride_sn, stride_op, stride_om, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_GROUP: tl.constexpr, IEEE_DOT: tl.constexpr):
@@ -102,24 +141,17 @@ def _w4a16_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, k_per_part, 
     k_lo = part * k_per_part
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
-    if BLOCK_M == 1:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # element-wise; summed across K after the loop
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     for k0 in range(0, k_per_part, BLOCK_K):
         offs_k = k_lo + k0 + tl.arange(0, BLOCK_K)
         w = _dequant_tile(q_ptr, s_ptr, z_ptr, offs_n, mask_n, k_lo + k0, k_lo + k_per_part, group_size, stride_qn,
                           stride_sn, BLOCK_N, BLOCK_K, ONE_GROUP)
         x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & (offs_k < k_lo + k_per_part)[None, :], other=0.0)
-        if BLOCK_M == 1:
-            acc += w * x.to(tl.float32)  # [BLOCK_N, BLOCK_K] * [1, BLOCK_K]
-        elif IEEE_DOT:  # fp32 activations: no TF32 rounding
+        if IEEE_DOT:  # fp32 activations: no TF32 rounding
             acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
         else:
             acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
-    if BLOCK_M == 1:
-        acc = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
     mask = mask_m[:, None] & mask_n[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -161,6 +193,12 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
     out = torch.empty((parts, num_tokens, n), dtype=x.dtype if parts == 1 else torch.float32, device=x.device)
     k_per_part = k // parts
+    if cfg.block_m == 1:
+        _w4a16_gemv_kernel[(triton.cdiv(n, cfg.block_n), parts)](
+            x, qweight, scales, zeros, bias if bias is not None else scales, out, n, k_per_part, group_size,
+            qweight.stride(0), scales.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n,
+            BLOCK_W=cfg.block_k // PACK, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return out[0] if parts == 1 else out
     grid = (triton.cdiv(num_tokens, cfg.block_m), triton.cdiv(n, cfg.block_n), parts)
     _w4a16_kernel[grid](
         x, qweight, scales, zeros, bias if bias is not None else scales, out, num_tokens, n, k_per_part, group_size,
