@@ -13,6 +13,7 @@ from services.gpu_worker.engine import Engine
 from services.gpu_worker.engine_config import EngineConfig
 from services.gpu_worker.model.loader import LoadedModel, load_model
 from services.gpu_worker.request import FinishReason, SamplingParams
+from services.gpu_worker.spec.proposer import ProposalRequest
 from services.gpu_worker.spec.replay import ReplayProposer
 from tests.unit.step_modes import MODE, step_mode  # noqa: F401 - step_mode: autouse, both modes
 
@@ -120,6 +121,8 @@ def test_chunked_prefill_and_prefix_cache_hits_with_speculation() -> None:
 def test_drafts_share_a_step_with_prefill_chunks_and_plain_decodes() -> None:
     prompts = _prompts()
     engine = _spec_engine(max_num_batched_tokens=16)
+    # drafts every step (prompt lookup finds none for some of these sequences, which then wait: adaptive.py)
+    engine.speculator.proposer = _replay({tuple(p): w[0] for p, w in zip(prompts, _plain("greedy"))}, 0.7)
     steps = []
     original = engine._forward
 
@@ -292,3 +295,37 @@ def test_only_steps_with_drafts_give_up_the_overlap() -> None:
         if len(drafted) > 1 and drafted[-1] > drafted[-2]:
             assert engine._launched is None  # a step that verified drafts was read at once
     assert drafted[-1] > 0
+
+
+class _FindsNothing:
+    """A proposer that never finds drafts (prompt lookup over text that never repeats)."""
+
+    def __init__(self) -> None:
+        self.num_requests = 0
+
+    def propose(self, requests: list[ProposalRequest]) -> list[list[int]]:
+        self.num_requests += len(requests)
+        return [[] for _ in requests]
+
+    def forget(self, request_id: str, index: int = 0) -> None:
+        pass
+
+
+def test_a_sequence_whose_proposals_find_nothing_waits_and_keeps_the_overlap() -> None:
+    prompt = _prompts(num=1)[0]
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    want = _outputs(_engine(enable_overlap=False), [prompt], params)
+    engine = _spec_engine(k=4)
+    proposer = engine.speculator.proposer = _FindsNothing()
+    engine.add_request("r", prompt, params)
+    tokens, wants = [], []
+    while engine.has_unfinished():
+        tokens += [t for out in engine.step() for t in out.token_ids]
+        # overlap mode: the next step reads this one's tokens before launching only where this is True
+        wants.append(engine.speculator.wants_host_tokens(engine.policy.running))
+    tokens += [t for out in engine.flush() for t in out.token_ids]
+    assert tokens == want[0][0]
+    # after the prefill: 4 empty proposals, then waits of 16 and 32 steps, each ended by one empty probe
+    assert proposer.num_requests == 4 + 2
+    assert wants[:4] == [True] * 4 and wants[4:19] == [False] * 15 and sum(wants) == 4 + 2
+    _assert_idle(engine)

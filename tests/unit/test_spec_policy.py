@@ -77,3 +77,39 @@ def test_drafts_that_find_no_pages_are_dropped_rather_than_preempting() -> None:
                                                                                                       (1, 1, 0)]
     assert policy.num_preemptions == 0 and first.draft_token_ids == []
     end_step(policy, plan, 0.0)
+
+
+def test_empty_proposals_in_a_row_back_off_and_keep_k_for_the_probe() -> None:
+    adaptive = AdaptiveK(max_k=4, probe_interval_steps=3, max_empty_proposals=2)
+    budget = adaptive.new_budget()
+    adaptive.on_proposed(budget, 0)
+    adaptive.on_proposed(budget, 3)  # a proposal that found drafts ends the run of empty ones
+    adaptive.on_proposed(budget, 0)
+    assert not adaptive.is_waiting(budget)
+    adaptive.on_proposed(budget, 0)
+    assert adaptive.is_waiting(budget) and budget.k == 4
+    assert [adaptive.next_k(budget) for _ in range(3)] == [0, 0, 4]
+    adaptive.on_proposed(budget, 0)  # an empty probe waits again at once, twice as long
+    assert [adaptive.next_k(budget) for _ in range(6)] == [0] * 5 + [4]
+    adaptive.on_proposed(budget, 2)
+    adaptive.update(budget, 2, 1)  # an accepted draft: the next wait starts from the interval again
+    adaptive.on_proposed(budget, 0)
+    adaptive.on_proposed(budget, 0)
+    assert budget.num_wait_steps == 3
+
+
+def test_failed_probes_double_the_wait_up_to_the_limit() -> None:
+    adaptive = AdaptiveK(max_k=4, probe_interval_steps=2, max_wait_steps=6)
+    budget = DraftBudget(1)
+    waits = []
+    for _ in range(4):
+        adaptive.update(budget, 1, 0)
+        waits.append(budget.num_wait_steps)
+        while adaptive.next_k(budget) == 0:
+            pass
+    assert waits == [2, 4, 6, 6] and budget.k == 1
+    adaptive.update(budget, 1, 1)
+    assert (budget.k, budget.last_wait_steps) == (2, 0)
+    adaptive.update(budget, 2, 0)
+    adaptive.update(budget, 1, 0)
+    assert budget.num_wait_steps == 2

@@ -68,7 +68,8 @@ class Speculator:
 
     def wants_host_tokens(self, running: list[Sequence]) -> bool:
         """Some sequence may get drafts this step: the engine reads the launched step's tokens before proposing (the
-        proposer looks at each sequence's last token)."""
+        proposer looks at each sequence's last token). False while every candidate waits (adaptive.py: its drafts
+        failed, or its proposals found nothing, too often), so such a step overlaps as a plain one does."""
         return any(not self.adaptive.is_waiting(self._budget(seq)) for seq in self._candidates(running))
 
     def propose(self, running: list[Sequence], max_seq_len: int) -> None:
@@ -85,6 +86,7 @@ class Speculator:
         if not requests:
             return
         for seq, request, drafts in zip(seqs, requests, self.proposer.propose(requests)):
+            self.adaptive.on_proposed(self._budget(seq), len(drafts))  # nothing found, again and again: back off
             if drafts:
                 seq.draft_token_ids = list(drafts[:request.k])
                 self._drafted.append(seq)
