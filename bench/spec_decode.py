@@ -138,6 +138,9 @@ def prompts(engine: Engine) -> list[list[int]]:
             for code, ask in PASSAGES]
 
 
+CUDA_NUM_PAGES = 512  # 8,192 tokens a pool: batch 1 needs 128 + 256
+
+
 def _sync(engine: Engine) -> None:
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
@@ -279,11 +282,11 @@ def run_ngram(args: argparse.Namespace, engines: dict[str, Engine]) -> dict:
 
 def build_engines(args: argparse.Namespace) -> dict[str, Engine]:
     """A plain engine and a speculating one (n-gram proposer; replay mode swaps it) on the same loaded weights."""
-    base: dict = dict(model=args.model, device=args.device)
+    base: dict = dict(model=args.model, device=args.device, num_pages=args.num_pages)
     if args.device == "cpu":
         base["dtype"] = "float32"
     else:  # a small KV pool: two engines share the GPU, each sized from free memory would take it all
-        base.update(num_pages=args.num_pages, max_num_seqs=8)
+        base.update(num_pages=args.num_pages or CUDA_NUM_PAGES, max_num_seqs=8)
     config = EngineConfig(**base)
     loaded = load_model(args.model, dtype=config.resolved_dtype(), device=config.resolved_device())
     spec_name = "ngram" if args.proposer == "ngram" else "spec"
@@ -308,7 +311,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="replay: the probability that a draft is the true token, one run each")
     parser.add_argument("--num-prompts", type=int, default=4, help="replay: random token-id prompts")
     parser.add_argument("--prompt-tokens", type=int, default=128, help="replay: tokens per prompt")
-    parser.add_argument("--num-pages", type=int, default=512, help="cuda: KV pages per engine")
+    parser.add_argument("--num-pages", type=int, default=None,
+                        help=f"KV pages per engine (default: {CUDA_NUM_PAGES} on cuda, the engine's own on the cpu)")
     parser.add_argument("--seed", type=int, default=0, help="replay: the prompts' and the drafts' seed")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--out", default="")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from bench import spec_decode
 
 
@@ -12,7 +14,7 @@ def test_replay_mode_reports_exact_acceptance_at_alpha_one_and_zero(tmp_path: Pa
     out = tmp_path / "spec.json"
     result = spec_decode.main(["--device", "cpu", "--model", "random:tiny-llama", "--proposer", "replay",
                                "--alpha", "1", "0", "--k", "4", "--num-prompts", "2", "--prompt-tokens", "16",
-                               "--max-tokens", "24", "--rounds", "1", "--out", str(out)])
+                               "--max-tokens", "24", "--rounds", "1", "--num-pages", "64", "--out", str(out)])
     assert json.loads(out.read_text()) == result
     assert (result["device"], result["gpu"], result["k"], result["num_prompts"]) == ("cpu", None, 4, 2)
     assert result["commit"] and result["torch"]
@@ -21,7 +23,9 @@ def test_replay_mode_reports_exact_acceptance_at_alpha_one_and_zero(tmp_path: Pa
         assert run["is_identical"] and run["is_plain_identical"]
         assert run["output_tokens"] == [24, 24] and run["common_prefix_tokens"] == [24, 24]
         assert [len(t) for t in run["tpot_ms"].values()] == [2, 2]
-        assert run["tpot_ratio"] == round(run["median_tpot_ms"]["spec"] / run["median_tpot_ms"]["plain"], 3)
+        assert run["median_spec_tpot_common_prefix_ms"] == run["median_tpot_ms"]["spec"]  # identical: every token
+        assert run["tpot_ratio"] == pytest.approx(run["median_tpot_ms"]["spec"] / run["median_tpot_ms"]["plain"],
+                                                  abs=2e-3)
     assert every["spec_decode"]["acceptance_rate"] == 1.0 and every["replay"]["true_draft_rate"] == 1.0
     assert every["spec_decode"]["num_accepted_tokens"] == every["spec_decode"]["num_draft_tokens"] > 0
     assert every["spec_decode"]["mean_accepted_length"] > 4  # k + 1 per verified row, fewer only near max_tokens
