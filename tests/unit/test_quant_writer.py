@@ -174,3 +174,21 @@ def test_the_cli_writes_a_checkpoint_that_serves(tmp_path: Path):
     assert again.returncode == 2 and "already exists and is not an empty directory" in again.stderr
     bad = _radixserve("quantize", "--model", str(source), "--method", "int8", "--out", str(tmp_path / "x"))
     assert bad.returncode == 2 and "invalid choice: 'int8'" in bad.stderr
+
+
+def test_gptq_column_loop_runs_on_one_cpu_thread_and_restores_the_count():
+    from services.gpu_worker.quant.gptq import _feedback_quantize_
+
+    seen: list[int] = []
+
+    def round_column(column: int, rest: torch.Tensor) -> torch.Tensor:
+        seen.append(torch.get_num_threads())
+        return rest[:, 0].round()
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _feedback_quantize_(torch.randn(4, 16), torch.eye(16), 8, round_column)
+        assert seen == [1] * 16 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

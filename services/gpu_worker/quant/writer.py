@@ -184,6 +184,7 @@ def write_checkpoint(out: Path, tensors: dict[str, torch.Tensor], config: dict[s
             tokenizer.save_pretrained(tmp)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "model.safetensors").chmod(0o644)
         tmp.chmod(0o755)
         if out.exists():
             out.rmdir()  # empty (prepare_out_dir)
