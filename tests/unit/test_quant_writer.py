@@ -64,7 +64,12 @@ def test_a_written_checkpoint_loads_the_quantizers_layers_and_tokens(dense_dir: 
                                                                      calibration: str):
     loaded = load_model(str(dense_dir))
     model = float_model(loaded)
-    assert quantize_for_checkpoint_(model, method, calibration, WINDOWS, 32, progress=lambda line: None) == 2 * 7
+    lines: list[str] = []
+    assert quantize_for_checkpoint_(model, method, calibration, WINDOWS, 32, progress=lines.append) == 2 * 7
+    last, num_lines = {"rtn": ("14 linears of 2 decoder layers rounded to nearest", 1),  # progress: one line a
+                       "awq": ("model.layers.1: activation-aware scales, alpha ", 2 * 4),  # layer, or a group
+                       "gptq": ("model.layers.1: 7 linears quantized (", 2)}[calibration]
+    assert lines[-1].startswith(last) and len(lines) == num_lines
     out = tmp_path / "q"
     write_quantized_model(out, model, loaded, method, 32)
 
@@ -133,10 +138,14 @@ def test_an_out_dir_that_is_not_new_or_empty_or_not_writable_is_refused(tmp_path
     prepare_out_dir(tmp_path / "new" / "out")
 
 
-def test_calibration_without_a_tokenizer_is_refused_before_loading_weights(tmp_path: Path):
+def test_calibration_without_a_tokenizer_or_tokens_is_refused_before_any_work(tmp_path: Path):
     with pytest.raises(ValueError, match="has no tokenizer"):
         quantize_checkpoint("random:tiny-llama", "fp8", tmp_path / "q", progress=lambda line: None)
+    with pytest.raises(ValueError, match="--calibration-tokens must be at least 1, not 0"):
+        quantize_checkpoint("bundled", "awq", tmp_path / "q", calibration_tokens=0, progress=lambda line: None)
     assert not (tmp_path / "q").exists()
+    with pytest.raises(ValueError, match="needs token windows of calibration text"):
+        quantize_for_checkpoint_(float_model(load_model("random:tiny-llama")), "gptq", "gptq", [], 64)
 
 
 def test_the_bundled_model_is_written_with_its_tokenizer_and_chat_template(tmp_path: Path):
@@ -147,6 +156,7 @@ def test_the_bundled_model_is_written_with_its_tokenizer_and_chat_template(tmp_p
     assert served.tokenizer.chat_template == bundled.tokenizer.chat_template
     assert served.tokenizer("def f(): pass")["input_ids"] == bundled.tokenizer("def f(): pass")["input_ids"]
     assert served.config.eos_token_ids == bundled.config.eos_token_ids
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o644
     with safe_open(out / "model.safetensors", framework="pt") as f:
         assert "model.layers.0.self_attn.q_proj.weight_scale" in f.keys() and "lm_head.weight" not in f.keys()
 

@@ -11,8 +11,8 @@ Every other tensor (embeddings, norms, folded or not, the LM head) is written de
 under the model's own names, all in one model.safetensors; config.json is the source's with a `quantization_config`
 that checkpoint_method accepts, and the tokenizer and generation files are copied. INT4 uses one group size for every
 layer (the config holds one): the requested size's gcd with every layer's K (SmolLM2-135M: 64). The in-memory model
-is left holding exactly what the checkpoint holds (INT4 scales rounded to fp16 as written), so it and the served
-checkpoint compute the same numbers.
+is left holding the quantized layers as the checkpoint holds them (INT4 scales rounded to fp16 as written), so from a
+float32 source it and the served checkpoint compute the same numbers (a bf16 source's dense rest is rounded on write).
 """
 from __future__ import annotations
 
@@ -88,8 +88,7 @@ def quantize_for_checkpoint_(model: nn.Module, method: str, calibration: str, wi
     """Quantize `model`'s linear layers in place as `method` with `calibration` on the token `windows` (needed
     unless "rtn"), leaving them exactly as layer_tensors writes them → how many layers."""
     if calibration != "rtn" and not windows:
-        raise ValueError(f"{calibration} calibration needs calibration text: this model has no tokenizer "
-                         "(use --calibration rtn)")
+        raise ValueError(f"{calibration} calibration needs token windows of calibration text, and has none")
     started = time.perf_counter()
     total = len(model.model.layers)
 
@@ -210,6 +209,8 @@ def quantize_checkpoint(model_spec: str, method: str, out: str | Path, calibrati
     """Load `model_spec` (as `serve --model` does) in float32, quantize it (quantize_for_checkpoint_) and write it
     to `out` (module docstring)."""
     calibration = check_method(method, calibration)
+    if calibration != "rtn" and calibration_tokens < 1:
+        raise ValueError(f"--calibration-tokens must be at least 1, not {calibration_tokens}")
     out = Path(out).expanduser().resolve()
     prepare_out_dir(out)
     started = time.perf_counter()
