@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Quantize a model's decoder linear layers and write a Hugging Face directory: config.json with "
                     "its quantization_config, model.safetensors (the quantized layers, the rest dense) and the "
                     "tokenizer. Calibrated methods run the model over built-in text (stdlib docstrings) on this "
-                    "machine's CPU: GPTQ FP8 of the bundled model takes about 16 minutes on 2 cores.")
+                    "machine's CPU: GPTQ FP8 of the bundled model takes about 2 minutes on 2 cores.")
     quantize.add_argument("--model", required=True,
                           help='"bundled" (SmolLM2-135M-Instruct, from its GGUF), a dense Hugging Face directory, or '
                                "random:<preset>")
