@@ -31,7 +31,8 @@ def quantize_linears_(model: nn.Module, method: str, skip: tuple[str, ...] = ("l
     Without `calibration` every layer is rounded to nearest. With it (token windows, quant/calibration.py), INT4
     folds activation-aware input-channel scales into the model first (quant/awq.py), then rounds to nearest, in the
     same format; FP8 ignores it and rounds to nearest (GPTQ-chosen FP8 weights, quant/gptq.py gptq_quantize_fp8,
-    calibrate layer by layer through the CPU's slow FP8 forward: minutes on load, too slow for serving on load yet).
+    calibrate layer by layer through the CPU's FP8 forward: minutes, so `radixserve quantize` writes them offline,
+    quant/writer.py).
     A tensor-parallel shard (`model.tp` set) is rounded to nearest: the calibration forward
     (quality.sequence_logits) runs a whole model's attention."""
     if method not in _LINEAR_METHOD:
