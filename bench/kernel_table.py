@@ -528,7 +528,7 @@ def gemv_sweep(shapes: Shapes = LLAMA3_8B, timer: Timer = graph_timer, max_calls
     return {"rows": t.rows, "best": best}
 
 
-W4A16_TILES = tuple((1, bn, bk, w, 1) for bn in (1, 2, 4, 8) for bk in (1024, 2048, 4096) for w in (4, 8))
+W4A16_TILES = tuple((1, bn, bk, w, 1) for bn in (2, 4, 8, 16, 32) for bk in (512, 1024, 2048) for w in (4, 8))
 
 
 def w4a16_sweep(shapes: Shapes = LLAMA3_8B, timer: Timer = graph_timer, max_calls: int = MAX_CALLS,

@@ -120,7 +120,7 @@ def _compile_default_tiles_for_sm90(out_dir: str) -> None:
         for one_group in (True, False) if m > 1 else (None,):  # the one-token kernel gathers a scale per word
             if m == 1:
                 fn = w4._w4a16_gemv_kernel
-                consts = {"HAS_BIAS": True, "BLOCK_N": cfg.block_n, "BLOCK_W": cfg.block_k // w4.PACK}
+                consts = {"HAS_BIAS": True, "BLOCK_N": cfg.block_n, "BLOCK_W": cfg.block_k // w4.PACK, "EVEN_K": True}
             else:
                 fn = w4._w4a16_kernel
                 consts = {"HAS_BIAS": True, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,

@@ -42,6 +42,8 @@ import triton.language as tl
 
 DECODE_MAX_TOKENS = 16  # M up to this takes the decode (GEMV) tile; larger M the GEMM tile: see the module docstring
 PACK = 8  # nibbles a packed int32 word holds
+MAGIC_BITS = tl.constexpr(0x4B000000)  # the float 2^23's bits: a nibble OR'd into its mantissa reads 2^23 + q
+MAGIC = tl.constexpr(8388608.0)  # 2^23
 
 
 class W4A16Config(NamedTuple):
@@ -54,12 +56,16 @@ class W4A16Config(NamedTuple):
 
 def config_for(num_tokens: int, n: int, k: int, parts: int = 1) -> W4A16Config:
     """Untuned tiles, chosen only so that ptxas for sm_90 fits each in registers without spilling (bf16, both ways of
-    loading scales; tests/kernels/test_w4a16.py checks it offline). One token: the bf16 GEMV's tiles (2 rows by up
-    to 4096 columns, 4 warps), a quarter of the bytes each. 2..16 tokens: gemv.py's 16 x 16 x 256 dot tile. Prefill: 64 x 128 x 64 over 8 warps up to 64 rows (4 warps spilled),
+    loading scales; tests/kernels/test_w4a16.py checks it offline). One token: 8 rows by up to 1024 columns over 4
+    warps. The bf16 GEMV's best tiles are 2 rows wide, but here each program reads x as 8 strided passes (x[8j + i]
+    for each nibble i: 16 bytes of sector for each 2-byte element), so that traffic is 32 / BLOCK_N times the packed
+    weights' own; 2 rows by 4096 served Llama-3.1-8B's batch-1 step in 5.00 ms on an H100 (roofline 1.61), with an
+    int→float conversion a nibble, since replaced. 8 x 1024 is reasoned, not yet timed (kernel_table --w4a16-sweep).
+    2..16 tokens: gemv.py's 16 x 16 x 256 dot tile. Prefill: 64 x 128 x 64 over 8 warps up to 64 rows (4 warps spilled),
     else 128 x 128 x 32 (x 64 spilled with per-column scales)."""
     width = triton.next_power_of_2(max(16, k // parts))
-    if num_tokens == 1:  # kernels/gemv.py's one-token tiles: 2 rows by up to 4096 columns, 4 by 2048 past that
-        return W4A16Config(1, 2, width, 4) if width <= 4096 else W4A16Config(1, 4, 2048, 4)
+    if num_tokens == 1:  # 8 rows by 1024 columns: each program's strided reads of x serve 8 rows of W
+        return W4A16Config(1, 8, min(1024, width), 4)
     if num_tokens <= DECODE_MAX_TOKENS:
         return W4A16Config(DECODE_MAX_TOKENS, 16, min(256, width), 4)
     if num_tokens <= 64:
@@ -94,11 +100,13 @@ def _dequant_tile(q_ptr, s_ptr, z_ptr, offs_n, mask_n, k_start, k_end, group_siz
 
 @triton.jit
 def _w4a16_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, k_per_part, group_size, stride_qn, stride_sn,
-                       stride_op, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+                       stride_op, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+                       EVEN_K: tl.constexpr):
     """One token: out[part, 0, n] = Σ_k x[k] w[n, k] over the part's slice of K, BLOCK_W packed words (8·BLOCK_W
     columns) of BLOCK_N rows a step. Per word, Σ_k (q − z)·s·x = s·(Σ_i q_i·x_{8j+i} − z·Σ_i x_{8j+i}): nibble i of
     every word multiplies the strided x[8j + i] (no reshape of the unpacked tile), and the word's group scale and
-    zero (gathered per word, an eighth of the weights) apply once to the word's sums."""
+    zero (gathered per word, an eighth of the weights) apply once to the word's sums. EVEN_K: the part's words are
+    a whole number of BLOCK_W, so no column mask (the rows' words then load as 16-byte vectors)."""
     pid_n = tl.program_id(0)
     part = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -109,19 +117,26 @@ def _w4a16_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, k_per_part
     acc = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
     for w0 in range(w_lo, w_end, BLOCK_W):
         offs_w = w0 + tl.arange(0, BLOCK_W)
-        mask_w = offs_w < w_end
-        mask = mask_n[:, None] & mask_w[None, :]
+        if EVEN_K:
+            mask_w = tl.full([BLOCK_W], True, tl.int1)
+            mask = mask_n[:, None]
+        else:
+            mask_w = offs_w < w_end
+            mask = mask_n[:, None] & mask_w[None, :]
         words = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_w[None, :], mask=mask, other=0,
                         eviction_policy="evict_first")  # [BLOCK_N, BLOCK_W] int32
         dot = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
         xsum = tl.zeros([BLOCK_W], dtype=tl.float32)
         for i in tl.static_range(8):
             xi = tl.load(x_ptr + offs_w * 8 + i, mask=mask_w, other=0.0).to(tl.float32)  # [BLOCK_W]
-            dot += ((words >> (4 * i)) & 0xF).to(tl.float32) * xi[None, :]
+            # the nibble as a float without an int→float conversion (a quarter-rate instruction): its bits OR'd into
+            # 2^23's mantissa give the float 2^23 + q exactly, and subtracting 2^23 leaves q
+            q = (((words >> (4 * i)) & 0xF) | MAGIC_BITS).to(tl.float32, bitcast=True) - MAGIC
+            dot += q * xi[None, :]
             xsum += xi
         g_off = offs_n[:, None] * stride_sn + (offs_w // words_per_group)[None, :]
-        s = tl.load(s_ptr + g_off, mask=mask, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g_off, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(s_ptr + g_off, mask=mask & mask_w[None, :], other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g_off, mask=mask & mask_w[None, :], other=0.0).to(tl.float32)
         acc += s * (dot - z * xsum[None, :])
     out = tl.sum(acc, axis=1)  # [BLOCK_N]
     if HAS_BIAS:
@@ -197,7 +212,8 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         _w4a16_gemv_kernel[(triton.cdiv(n, cfg.block_n), parts)](
             x, qweight, scales, zeros, bias if bias is not None else scales, out, n, k_per_part, group_size,
             qweight.stride(0), scales.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n,
-            BLOCK_W=cfg.block_k // PACK, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            BLOCK_W=cfg.block_k // PACK, EVEN_K=k_per_part % cfg.block_k == 0, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
         return out[0] if parts == 1 else out
     grid = (triton.cdiv(num_tokens, cfg.block_m), triton.cdiv(n, cfg.block_n), parts)
     _w4a16_kernel[grid](
