@@ -150,6 +150,7 @@ class Engine:
     batching = property(lambda self: self.runner.batching)
     num_pages = property(lambda self: self.runner.num_pages)
     weights = property(lambda self: self.runner.weights)
+    allocator_idle_bytes = property(lambda self: self.runner.allocator_idle_bytes)
     max_model_len = property(lambda self: self.runner.max_model_len)
     max_seq_len = property(lambda self: self.runner.max_seq_len)
 

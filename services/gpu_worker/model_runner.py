@@ -66,6 +66,10 @@ class ModelRunner:
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
         kv_dtype = config.resolved_kv_dtype()
+        # bytes torch's allocator holds but nothing uses when the pool is sized from free memory: freed tensors in
+        # segments it cannot give back (a neighbour still alive), lost to the KV pool (the ready log shows it)
+        self.allocator_idle_bytes = (torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+                                     if self.device.type == "cuda" else 0)
         self.num_pages = config.resolved_num_pages(loaded.config, kv_dtype, self.device)
         if self.tp is not None:
             self.num_pages = self.tp.min_over_ranks(self.num_pages)  # every rank must plan with the same pool

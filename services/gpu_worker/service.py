@@ -81,6 +81,7 @@ class WorkerService(Actor):
         self.every(self.config.heartbeat_interval_s, self._heartbeat, "heartbeat")
         log.info("ready", worker_id=self.worker_id, addr=self._worker_addr, model_id=engine.model_config.model_id,
                  device=str(engine.device), weights=engine.weights, num_pages=engine.num_pages,
+                 allocator_idle_gib=round(engine.allocator_idle_bytes / 2**30, 2),
                  incarnation=self.incarnation,
                  max_num_batched_tokens=engine.policy.max_num_batched_tokens,
                  max_num_seqs=engine.policy.max_num_seqs, batching=engine.batching.reason)

@@ -47,6 +47,7 @@ def test_int4_checkpoint_runs_the_model_it_dequantizes_to(dense_dir: Path, metho
     engine, got = _generate(str(quantized))
     _, want = _generate(str(dequantized))
     assert engine.runner.num_quantized_layers == 2 * 7
+    assert engine.allocator_idle_bytes == 0  # the ready log's allocator_idle_gib: CUDA's caching allocator only
     layer = engine.runner.model.model.layers[0].self_attn.q_proj
     assert isinstance(layer, QuantizedLinear) and layer.method == "int4" and layer.group_size == GROUP
     assert not isinstance(getattr(engine.runner.model, "lm_head"), QuantizedLinear)
