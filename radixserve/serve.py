@@ -24,7 +24,7 @@ from shared.config import config_argument
 # on unchanged to each child of that service.
 WORKER_FIELDS = ("model", "dtype", "quantization", "num_pages", "kv_cache_dtype", "gemv_max_tokens",
                  "max_num_batched_tokens", "max_num_seqs", "max_model_len", "speculative_method",
-                 "num_speculative_tokens")
+                 "num_speculative_tokens", "speculative_draft_model")
 SCHEDULER_FIELDS = ("routing", "pd_policy", "pd_min_prefill_tokens")
 TOKENIZER_FIELDS = ("max_model_len", "trust_message_special_tokens")  # max_model_len: declared as the workers'
 
@@ -141,8 +141,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizers", type=int, default=1, help="tokenizer replicas")
     parser.add_argument("--redis-url", default="", help="use this Redis instead of the embedded one")
     config_argument(parser, WorkerConfig, "device")
+    metavars = {"gemv_max_tokens": "N", "speculative_draft_model": "MODEL"}
     for name in WORKER_FIELDS[1:]:
-        config_argument(parser, WorkerConfig, name, **({"metavar": "N"} if name == "gemv_max_tokens" else {}))
+        config_argument(parser, WorkerConfig, name, **({"metavar": metavars[name]} if name in metavars else {}))
     parser.add_argument("--no-prefix-cache", action="store_true", help="turn the radix prefix cache off")
     for name in SCHEDULER_FIELDS:
         config_argument(parser, SchedulerConfig, name)

@@ -48,9 +48,14 @@ class WorkerConfig:
                 "Costs in quality and speed: docs/PERFORMANCE.md",
         "choices": ("none", "fp8", "awq", "gptq", "gguf")})
     speculative_method: str = field(default="none", metadata={
-        "help": "speculative decoding: none, or ngram (prompt lookup: draft tokens copied from where the sequence's "
-                "last tokens occurred before, verified in one forward; greedy output is unchanged). A request's "
-                "`speculative: false` turns it off for that request", "choices": ("none", "ngram")})
+        "help": "speculative decoding: none, ngram (prompt lookup: draft tokens copied from where the sequence's "
+                "last tokens occurred before) or draft (greedy tokens of --speculative-draft-model); drafts are "
+                "verified in one forward and greedy output is unchanged. A request's `speculative: false` turns it "
+                "off for that request", "choices": ("none", "ngram", "draft")})
+    speculative_draft_model: str = field(default="", metadata={
+        "help": "speculative method draft: the draft model (bundled, a Hugging Face directory or random:<preset>) "
+                "with the target's tokenizer; it runs on the same device with its own KV pool, k decode steps per "
+                "verify step (empty: none)"})
     num_speculative_tokens: int = field(default=4, metadata={
         "help": "speculative decoding: most draft tokens a sequence proposes per step (fewer while they are "
                 "rejected)"})
@@ -137,4 +142,5 @@ class WorkerConfig:
                             tensor_parallel_size=self.tensor_parallel_size,
                             quantization=None if self.quantization == "none" else self.quantization,
                             speculative_method=None if self.speculative_method == "none" else self.speculative_method,
-                            num_speculative_tokens=self.num_speculative_tokens)
+                            num_speculative_tokens=self.num_speculative_tokens,
+                            speculative_draft_model=self.speculative_draft_model or None)

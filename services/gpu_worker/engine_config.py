@@ -80,13 +80,15 @@ class EngineConfig:
     # None: the weights in the model's dtype; else one of quant/apply.py's METHODS (fp8: W8A8; awq, gptq: INT4
     # W4A16 quantized on load), applied to every linear layer but the LM head and a MoE router
     quantization: str | None = None
-    # Speculative decoding (spec/): None, or "ngram" (prompt lookup: drafts copied from the sequence's own earlier
-    # tokens). Each decoding sequence proposes up to num_speculative_tokens drafts a step (fewer while its drafts are
-    # rejected: spec/adaptive.py), verified in one forward; none while more than speculative_max_batch_size
-    # sequences decode at once. Steps with drafts run eager and are not overlapped.
+    # Speculative decoding (spec/): None, "ngram" (prompt lookup: drafts copied from the sequence's own earlier
+    # tokens) or "draft" (greedy drafts of speculative_draft_model, a small model with the target's tokenizer, on
+    # its own engine and KV pool: spec/draft.py). Each decoding sequence proposes up to num_speculative_tokens drafts
+    # a step (fewer while its drafts are rejected: spec/adaptive.py), verified in one forward; none while more than
+    # speculative_max_batch_size sequences decode at once. Steps with drafts run eager and are not overlapped.
     speculative_method: str | None = None
     num_speculative_tokens: int = 4
     speculative_max_batch_size: int = 32
+    speculative_draft_model: str | None = None  # "draft" only: "bundled", a Hugging Face directory or random:<preset>
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -99,6 +101,9 @@ class EngineConfig:
                              f"not {self.quantization!r}")
         if self.speculative_method is not None:
             self._check_speculative()
+        if self.speculative_draft_model is not None and self.speculative_method != "draft":
+            raise ValueError(f"a speculative draft model is used by speculative_method 'draft' only, not "
+                             f"{self.speculative_method!r}")
         if self.warmup and self.tensor_parallel_size > 1:
             raise ValueError("warmup runs on a single-rank engine only (tensor-parallel ranks step in lockstep)")
         if self.gemv_max_tokens is not None:
@@ -118,6 +123,8 @@ class EngineConfig:
             raise ValueError("num_speculative_tokens and speculative_max_batch_size must be >= 1")
         if self.tensor_parallel_size > 1:
             raise ValueError("speculative decoding runs on a single-rank engine only")
+        if self.speculative_method == "draft" and not self.speculative_draft_model:
+            raise ValueError("speculative_method 'draft' needs a draft model (speculative_draft_model)")
 
     def resolved_device(self) -> str:
         if self.device == "auto":

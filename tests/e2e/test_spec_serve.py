@@ -1,6 +1,7 @@
 """`radixserve serve --speculative-method ngram` over HTTP on the bundled SmolLM2-135M: greedy answers (whole and
 streamed, with logprobs, with a stop string) identical to a server without speculation, on an edit-a-passage
-workload where prompt lookup drafts and the target accepts; the spec_decode series on /metrics count them."""
+workload where prompt lookup drafts and the target accepts; the spec_decode series on /metrics count them. The same
+for `--speculative-method draft --speculative-draft-model bundled` (the target as its own draft)."""
 from __future__ import annotations
 
 import time
@@ -30,6 +31,14 @@ def _metric(url: str, name: str) -> float:
 def spec_served(tmp_path_factory) -> Iterator[str]:
     args = ["--device", "cpu", "--num-pages", "512", "--speculative-method", "ngram", "--num-speculative-tokens", "4"]
     with serving(args, tmp_path_factory.mktemp("spec") / "serve.log") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def draft_served(tmp_path_factory) -> Iterator[str]:
+    args = ["--device", "cpu", "--num-pages", "512", "--speculative-method", "draft", "--speculative-draft-model",
+            "bundled", "--num-speculative-tokens", "4"]
+    with serving(args, tmp_path_factory.mktemp("draft") / "serve.log") as url:
         yield url
 
 
@@ -67,13 +76,15 @@ def _wait_for_accepted(url: str, before: float) -> bool:
     return False
 
 
+def _streamed(url: str, **kwargs) -> str:
+    stream = _client(url).chat.completions.create(**kwargs, stream=True)
+    return "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+
+
 def test_streamed_and_stopped_answers_equal_a_server_without_speculation(served: str, spec_served: str) -> None:
     code, ask = PASSAGES[1]
     kwargs = dict(model=MODEL, messages=_messages(code, ask), temperature=0, max_tokens=64)
-    texts = []
-    for url in (spec_served, served):
-        stream = _client(url).chat.completions.create(**kwargs, stream=True)
-        texts.append("".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices))
+    texts = [_streamed(url, **kwargs) for url in (spec_served, served)]
     assert texts[0] == texts[1]
     stop = "return []"  # inside the copied code, past its first lines
     stopped = [_client(url).chat.completions.create(**kwargs, stop=[stop]).choices[0] for url in (spec_served, served)]
@@ -90,3 +101,20 @@ def test_a_request_may_turn_speculation_off(spec_served: str, served: str) -> No
     assert off.choices[0].message.content == plain.choices[0].message.content
     time.sleep(1.2)  # two heartbeats
     assert _metric(spec_served, "radixserve_spec_decode_num_drafts_total") == before
+
+
+def test_draft_model_greedy_answers_equal_a_server_without_speculation(served: str, draft_served: str) -> None:
+    before = {name: _metric(draft_served, f"radixserve_spec_decode_{name}_total")
+              for name in ("num_draft_tokens", "num_accepted_tokens")}
+    code, ask = PASSAGES[0]
+    kwargs = dict(model=MODEL, messages=_messages(code, ask), temperature=0, max_tokens=48)
+    texts = [_streamed(url, **kwargs) for url in (draft_served, served)]
+    assert texts[0] == texts[1]
+    replies = [_client(url).chat.completions.create(**kwargs, logprobs=True).choices[0]
+               for url in (draft_served, served)]
+    assert replies[0].message.content == replies[1].message.content == texts[0]
+    assert [t.token for t in replies[0].logprobs.content] == [t.token for t in replies[1].logprobs.content]
+    assert _wait_for_accepted(draft_served, before["num_accepted_tokens"])
+    drafted = _metric(draft_served, "radixserve_spec_decode_num_draft_tokens_total") - before["num_draft_tokens"]
+    accepted = _metric(draft_served, "radixserve_spec_decode_num_accepted_tokens_total") - before["num_accepted_tokens"]
+    assert accepted >= 0.9 * drafted > 0  # the draft is the target: only float near-ties may differ

@@ -15,25 +15,34 @@ max_batch_size decode at once (decode is then compute-bound and drafts cost real
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from services.gpu_worker.batch_policy import ScheduledItem
+from services.gpu_worker.engine_config import EngineConfig
 from services.gpu_worker.engine_metrics import EngineMetricsRecorder
+from services.gpu_worker.model.config import ModelConfig
 from services.gpu_worker.sequence import Sequence, SeqStatus
 from services.gpu_worker.spec.adaptive import AdaptiveK, DraftBudget
+from services.gpu_worker.spec.draft import DraftProposer
 from services.gpu_worker.spec.ngram import NgramProposer
 from services.gpu_worker.spec.proposer import ProposalRequest, Proposer
 from services.gpu_worker.spec.verify import SpecRow, Verified, verify
 from services.gpu_worker.staging import to_device
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft")
 
 
-def make_proposer(method: str) -> Proposer:
-    if method == "ngram":
+def make_proposer(config: EngineConfig, target_model: ModelConfig, target_tokenizer: Any,
+                  target_num_pages: int) -> Proposer:
+    """The proposer config.speculative_method names, for a target of this model, tokenizer and KV pool."""
+    if config.speculative_method == "ngram":
         return NgramProposer()
-    raise ValueError(f"speculative_method must be one of {', '.join(METHODS)} (or None), not {method!r}")
+    if config.speculative_method == "draft":
+        return DraftProposer(config, target_model, target_tokenizer, target_num_pages)
+    raise ValueError(f"speculative_method must be one of {', '.join(METHODS)} (or None), "
+                     f"not {config.speculative_method!r}")
 
 
 class Speculator:
