@@ -62,13 +62,14 @@ class DraftProposer:
                                          device=config.resolved_device(), seed=config.seed)
         check_same_vocabulary(target_model, loaded.config, target_tokenizer, loaded.tokenizer)
         self.engine: Engine = Engine(config, loaded)
+        loaded.state_dict.clear()  # the engine's model holds its own copy of the weights
         self.num_requests = 0  # proposals asked of the draft engine
 
     def _fits(self, request: ProposalRequest) -> bool:
         """The draft engine takes the sequence and its k drafts (a longer context than the draft model's: none)."""
         num_tokens = len(request.token_ids)
-        return request.k > 0 and num_tokens < self.engine.max_seq_len and \
-            num_tokens + request.k <= self.engine.max_model_len
+        return (request.k > 0 and num_tokens < self.engine.max_seq_len
+                and num_tokens + request.k <= self.engine.max_model_len)
 
     def propose(self, requests: list[ProposalRequest]) -> list[list[int]]:
         fits = [self._fits(r) for r in requests]
