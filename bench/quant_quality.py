@@ -44,6 +44,7 @@ from services.gpu_worker.quant.gptq import calibrate_gptq_
 from services.gpu_worker.quant.int4 import from_awq, to_awq
 from services.gpu_worker.quant.linear import QuantizedLinear
 from services.gpu_worker.quant.quality import perplexity, sequence_logits, top1_agreement
+from services.gpu_worker.quant.writer import checkpoint_group_size, quantize_for_checkpoint_
 
 VARIANTS = {
     "fp8": "FP8 W8A8: e4m3 weights per channel rounded to nearest, activations per token (quant/fp8.py)",
@@ -56,15 +57,21 @@ VARIANTS = {
                 "the AutoAWQ layout (fp16 scales): what `serve --quantization awq|gptq` loads",
     "int4_awq_gptq": "activation-aware scales folded in, then int4_gptq_act_order",
     "int4_rtn_g32": "diagnostic: int4_rtn with groups of 32",
+    "int4_awq_clip": "what `radixserve quantize --method awq` writes (quant/writer.py quantize_for_checkpoint_): AWQ "
+                     "scales, each group's range clipped by the searched ratio (quant/clip.py), INT4 RTN in one group "
+                     "size for every layer (--group-size's gcd with every K), fp16 scales, in memory",
+    "int4_awq_clip_g32": "int4_awq_clip in groups of 32",
+    "int4_awq_g32": "diagnostic: int4_awq_clip in groups of 32 without the clip search",
     "int4_gptq": "INT4 W4A16 GPTQ (quant/gptq.py), sequential per decoder layer, groups as int4_rtn, float32 scales, "
                  "calibrated on other stdlib modules' docstrings (CALIBRATION_MODULES)",
     "int4_gptq_act_order": "int4_gptq processing input features by descending Hessian diagonal (act-order, perm)",
     "int4_gguf": "the bundled GGUF's own Q4_1 blocks (groups of 32) as INT4 layers, as `--quantization gguf` serves; "
                  "the float32 model is these blocks dequantized, so ~0 by construction",
 }
-CALIBRATED = ("fp8_gptq", "int4_awq", "int4_awq_gptq", "int4_gptq", "int4_gptq_act_order")
+CALIBRATED = ("fp8_gptq", "int4_awq", "int4_awq_gptq", "int4_gptq", "int4_gptq_act_order", "int4_awq_clip",
+              "int4_awq_clip_g32", "int4_awq_g32")
 TARGETS = {"fp8": 0.02, "fp8_gptq": 0.02, "int4_awq_layout": 0.10, "int4_awq": 0.10, "int4_awq_gptq": 0.10,
-           "int4_gptq": 0.10, "int4_gptq_act_order": 0.10}  # issue 25's perplexity increase allowed over float32
+           "int4_gptq": 0.10, "int4_gptq_act_order": 0.10, "int4_awq_clip": 0.10, "int4_awq_clip_g32": 0.10}  # issue 25's perplexity increase allowed over float32
 
 MODULES = ("json", "collections", "functools", "itertools", "textwrap", "argparse", "re", "string", "pathlib",
            "dataclasses", "heapq", "bisect", "contextlib", "datetime", "fractions", "statistics", "random",
@@ -133,6 +140,14 @@ def quantized(loaded: LoadedModel, variant: str, group_size: int,
         return model, calibrate_gptq_(model, calibration, act_order=True, method="fp8")
     if variant == "int4_awq":  # what serving quantizes on load
         replaced = quantize_linears_(model, "awq", group_size=group_size, calibration=calibration)
+        through_awq_layout_(model)
+        return model, replaced
+    if variant in ("int4_awq_clip", "int4_awq_clip_g32"):  # the writer's quantization, as it writes it
+        size = checkpoint_group_size(model, 32 if variant.endswith("g32") else group_size)
+        return model, quantize_for_checkpoint_(model, "awq", "awq", calibration, size, progress=lambda line: None)
+    if variant == "int4_awq_g32":
+        scale_activation_aware_(model, calibration, 32)
+        replaced = quantize_linears_(model, "awq", group_size=32)
         through_awq_layout_(model)
         return model, replaced
     if variant == "int4_awq_gptq":

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from services.gpu_worker.model.llama import RMSNorm
+from services.gpu_worker.quant.clip import clip_linear_
 from services.gpu_worker.quant.int4 import dequantize_int4, quantize_int4
 from services.gpu_worker.quant.linear import int4_group_size
 from services.gpu_worker.quant.quality import LayerDone, run_until_done
@@ -112,10 +113,12 @@ def fold_scale_(group: ScaleGroup, s: torch.Tensor) -> None:
 
 
 def scale_activation_aware_(model: nn.Module, token_batches: list[list[int]], group_size: int = 128,
-                            on_group: Callable[[int, float], None] | None = None) -> list[float]:
+                            on_group: Callable[[int, float], None] | None = None, clip: bool = False) -> list[float]:
     """Search and fold s for every foldable group of every decoder layer of `model` (model.model.layers) on
     `token_batches` run as sequence_logits runs them; → the α chosen for each group, in order. on_group(decoder
-    layer index, α) after each group is folded.
+    layer index, α) after each group is folded. With `clip`, each of the group's linears then has its weight clamped
+    to the per-group ranges quant/clip.py searches on the scaled inputs x / s (`radixserve quantize` only: serving's
+    on-load path leaves it off).
 
     One forward per sequence collects every group's input before any fold: a fold leaves the float model's output,
     and so every other group's input, unchanged (module docstring), and changes only its own group's, which the
@@ -144,6 +147,10 @@ def scale_activation_aware_(model: nn.Module, token_batches: list[list[int]], gr
         weights = [linear.weight.detach().float() for linear in group.linears]
         s, alpha = search_scale(x, weights, quantize, None if group.tie is None else group.tie.to(x.device))
         fold_scale_(group, s)
+        if clip:
+            scaled = x / (s if group.tie is None else s[group.tie.to(s.device)])  # [T, K] the linears' input now
+            for linear in group.linears:
+                clip_linear_(linear, scaled, group_size)
         alphas.append(alpha)
         xs.clear()
         if on_group is not None:

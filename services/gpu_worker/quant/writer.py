@@ -103,7 +103,7 @@ def quantize_for_checkpoint_(model: nn.Module, method: str, calibration: str, wi
         replaced = quantize_linears_(model, method, group_size=group_size)
         progress(f"{replaced} linears of {total} decoder layers rounded to nearest")
     elif method == "awq":
-        scale_activation_aware_(model, windows, group_size, on_group=on_group)
+        scale_activation_aware_(model, windows, group_size, on_group=on_group, clip=True)
         replaced = quantize_linears_(model, method, group_size=group_size)
     else:
         replaced = calibrate_gptq_(model, windows, group_size, act_order=True, method="fp8" if method == "fp8"

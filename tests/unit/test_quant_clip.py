@@ -1,0 +1,59 @@
+"""The INT4 clip search (quant/clip.py): it never makes a row's calibration output error worse than plain RTN, it
+clips the group of a large weight on a quiet input channel, and `radixserve quantize`'s AWQ path (clip on) clamps
+weights and lowers the quantized model's error on its calibration text."""
+from __future__ import annotations
+
+import torch
+
+from services.gpu_worker.quant.apply import quantize_linears_
+from services.gpu_worker.quant.awq import scale_activation_aware_
+from services.gpu_worker.quant.clip import CLIP_RATIOS, clip_delta, clip_linear_, clipped, row_errors, search_clip
+from services.gpu_worker.quant.quality import sequence_logits
+from tests.unit.test_quant_awq import _with_outliers
+from tests.unit.test_quant_linear import _TOKENS
+
+
+def _layer(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [256, 128] with channels of different loudness, w [48, 128]."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(256, 128, generator=gen) * torch.rand(128, generator=gen) * 4
+    return x, torch.randn(48, 128, generator=gen)
+
+
+def test_no_row_error_exceeds_plain_rtn_and_some_group_is_clipped() -> None:
+    for seed in range(4):
+        x, w = _layer(seed)
+        gram = x.T @ x
+        ratios = search_clip(w, gram, 32, max_rows=16)  # three row blocks
+        assert ratios.shape == (48, 4) and bool(torch.isin(ratios, torch.tensor(CLIP_RATIOS)).all())
+        clipped_error = row_errors(clip_delta(w, ratios, 32), gram)  # [48]
+        plain_error = row_errors(clip_delta(w, torch.ones_like(ratios), 32), gram)
+        assert bool((clipped_error <= plain_error).all())
+        assert (ratios < 1).any() and clipped_error.sum() < 0.95 * plain_error.sum(), seed
+
+
+def test_a_large_weight_on_a_quiet_channel_is_clipped() -> None:
+    x, w = _layer(0)
+    x[:, 5] *= 1e-3  # channel 5 barely reaches the output
+    w[0, 5] = 40.0  # ~13x the rest of its group: plain RTN's steps would be ~13x too coarse for them
+    ratios = search_clip(w, x.T @ x, 32)
+    assert ratios[0, 0] == 0.5  # the smallest ratio there is: the clamp costs nothing through channel 5
+    linear = torch.nn.Linear(128, 48, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(w)
+    assert torch.equal(clip_linear_(linear, x, 32), ratios)
+    assert linear.weight[0, 5].item() == 20.0 and torch.equal(linear.weight.detach(), clipped(w, ratios, 32))
+
+
+def test_the_writers_awq_path_clips_and_lowers_the_calibration_error() -> None:
+    reference = sequence_logits(_with_outliers("tiny-llama"), _TOKENS)
+    errors, weights = {}, {}
+    for clip in (False, True):
+        model = _with_outliers("tiny-llama")
+        scale_activation_aware_(model, [_TOKENS], group_size=32, clip=clip)
+        weights[clip] = model.model.layers[0].mlp.down_proj.weight.detach().clone()
+        quantize_linears_(model, "awq", group_size=32)
+        errors[clip] = ((sequence_logits(model, _TOKENS) - reference).norm() / reference.norm()).item()
+    assert bool((weights[True].abs() <= weights[False].abs()).all())  # clamped towards zero, never away
+    assert not torch.equal(weights[True], weights[False])
+    assert errors[True] < 0.9 * errors[False], errors  # 0.111 against 0.147
