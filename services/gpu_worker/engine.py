@@ -133,7 +133,7 @@ class Engine:
         self.metrics = EngineMetricsRecorder()
         self.is_overlapped = config.resolved_overlap()
         self.speculator = None if config.speculative_method is None else Speculator(
-            make_proposer(config, self.model_config, self.tokenizer, self.num_pages), config.num_speculative_tokens,
+            make_proposer(config, self.model_config, self.tokenizer, self.num_pages, Engine), config.num_speculative_tokens,
             config.speculative_max_batch_size, lambda: self.metrics)
         self._launched: LaunchedStep | None = None
         self.warmup_seconds = self.warm_up() if config.resolved_warmup(self.backend.name) else 0.0

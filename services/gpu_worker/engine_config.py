@@ -10,6 +10,8 @@ from services.gpu_worker.kv_cache import KVCache
 from services.gpu_worker.model.config import ModelConfig
 from services.gpu_worker.quant.apply import METHODS as QUANTIZATION_METHODS
 
+SPECULATIVE_METHODS = ("ngram", "draft")  # the proposers spec/engine_step.make_proposer builds
+
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
@@ -114,10 +116,8 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1 (or None: from the device)")
 
     def _check_speculative(self) -> None:
-        from services.gpu_worker.spec.engine_step import METHODS
-
-        if self.speculative_method not in METHODS:
-            raise ValueError(f"speculative_method must be one of {', '.join(METHODS)} (or None), "
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)} (or None), "
                              f"not {self.speculative_method!r}")
         if self.num_speculative_tokens < 1 or self.speculative_max_batch_size < 1:
             raise ValueError("num_speculative_tokens and speculative_max_batch_size must be >= 1")

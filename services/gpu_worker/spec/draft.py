@@ -12,16 +12,13 @@ sampled outputs keep the target's distribution.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from services.gpu_worker.engine_config import AUTO_TOKENS_PER_SEQ, EngineConfig
 from services.gpu_worker.model.config import ModelConfig
 from services.gpu_worker.model.loader import LoadedModel, load_model
 from services.gpu_worker.request import SamplingParams
 from services.gpu_worker.spec.proposer import ProposalRequest
-
-if TYPE_CHECKING:
-    from services.gpu_worker.engine import Engine
 
 
 def check_same_vocabulary(target: ModelConfig, draft: ModelConfig, target_tokenizer: Any = None,
@@ -50,9 +47,8 @@ class DraftProposer:
     """Proposer (proposer.Proposer) of a draft model's greedy continuations, run on its own Engine."""
 
     def __init__(self, target: EngineConfig, target_model: ModelConfig, target_tokenizer: Any,
-                 target_num_pages: int) -> None:
-        from services.gpu_worker.engine import Engine  # NOTE: engine.py imports the spec package
-
+                 target_num_pages: int, engine_class: type) -> None:
+        """engine_class: the Engine class, passed in by engine.py (which imports this package, so no import back)."""
         assert target.speculative_draft_model is not None
         config = EngineConfig(model=target.speculative_draft_model, device=target.resolved_device(),
                               dtype=target.dtype, page_size=target.page_size,
@@ -61,7 +57,7 @@ class DraftProposer:
         loaded: LoadedModel = load_model(config.model, dtype=config.resolved_dtype(),
                                          device=config.resolved_device(), seed=config.seed)
         check_same_vocabulary(target_model, loaded.config, target_tokenizer, loaded.tokenizer)
-        self.engine: Engine = Engine(config, loaded)
+        self.engine = engine_class(config, loaded)  # an engine.Engine
         loaded.state_dict.clear()  # the engine's model holds its own copy of the weights
         self.num_requests = 0  # proposals asked of the draft engine
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from services.gpu_worker.batch_policy import ScheduledItem
-from services.gpu_worker.engine_config import EngineConfig
+from services.gpu_worker.engine_config import SPECULATIVE_METHODS as METHODS, EngineConfig
 from services.gpu_worker.engine_metrics import EngineMetricsRecorder
 from services.gpu_worker.model.config import ModelConfig
 from services.gpu_worker.sequence import Sequence, SeqStatus
@@ -31,16 +31,16 @@ from services.gpu_worker.spec.proposer import ProposalRequest, Proposer
 from services.gpu_worker.spec.verify import SpecRow, Verified, verify
 from services.gpu_worker.staging import to_device
 
-METHODS = ("ngram", "draft")
 
 
 def make_proposer(config: EngineConfig, target_model: ModelConfig, target_tokenizer: Any,
-                  target_num_pages: int) -> Proposer:
-    """The proposer config.speculative_method names, for a target of this model, tokenizer and KV pool."""
+                  target_num_pages: int, engine_class: type) -> Proposer:
+    """The proposer config.speculative_method names, for a target of this model, tokenizer and KV pool
+    (engine_class: the Engine class a draft model runs on)."""
     if config.speculative_method == "ngram":
         return NgramProposer()
     if config.speculative_method == "draft":
-        return DraftProposer(config, target_model, target_tokenizer, target_num_pages)
+        return DraftProposer(config, target_model, target_tokenizer, target_num_pages, engine_class)
     raise ValueError(f"speculative_method must be one of {', '.join(METHODS)} (or None), "
                      f"not {config.speculative_method!r}")
 
