@@ -63,6 +63,10 @@ class Gateway(Actor):
         self._tokenizer_polls: dict[str, asyncio.Future[Any]] = {}  # (De)TokenizeRequest id → the reply
         self._watch = TokenizerWatch(len(config.tokenizer_addr_list), config.tokenizer_silent_s)
         self._sent_at: dict[str, float] = {}  # generations sent to a tokenizer and not ended → when (loop time)
+        # generations of _sent_at → their samples whose last chunk has not arrived: a generation ends for the watch
+        # when its last sample's does, not when its HTTP call does (a call of several prompts outlives each one, and
+        # a tokenizer rightly stops holding a finished one)
+        self._open_samples: dict[str, int] = {}
         self._created_s = int(time.time())
         self._runner: web.AppRunner | None = None
         self._tokenizers: zmq.asyncio.Socket | None = None
@@ -283,6 +287,7 @@ class Gateway(Actor):
             for generate in parsed.generates:
                 await self._send(self._tokenizers, generate, "tokenizer")
                 self._sent_at[generate.request_id] = asyncio.get_running_loop().time()
+                self._open_samples[generate.request_id] = generate.sampling.n
                 call.num_sent += 1
             first = await call.next_chunk()
             self.metrics.ttft.labels(request.path).observe(time.monotonic() - started)
@@ -298,7 +303,7 @@ class Gateway(Actor):
         finally:
             for request_id in call.request_ids:
                 del self._calls[request_id]
-                self._sent_at.pop(request_id, None)
+                self._generation_ended(request_id)
             for request_id in call.open_request_ids():
                 await self._abort(request_id, reason)
 
@@ -397,7 +402,7 @@ class Gateway(Actor):
         except ApiError:
             pass  # none connected: nothing to learn, nothing declared lost
         for request_id in self._watch.lost(self._sent_at, now):
-            del self._sent_at[request_id]
+            self._generation_ended(request_id)
             call = self._calls.get(request_id)
             if call is not None:
                 log.warning("tokenizer holding the request was lost", request_id=request_id)
@@ -428,7 +433,24 @@ class Gateway(Actor):
         if call is None:
             log.debug("result for an unknown request", request_id=msg.request_id)
             return
+        if isinstance(msg, GenerateError) or msg.finish_reason is not None:
+            self._on_sample_ended(msg.request_id, isinstance(msg, GenerateError))
         call.queue.put_nowait(msg)
+
+    def _on_sample_ended(self, request_id: str, is_error: bool) -> None:
+        """A sample's last chunk (or the generation's error) arrived: once none is left, the tokenizer holds the
+        generation no more, and the watch must not count it as lost."""
+        left = self._open_samples.get(request_id)
+        if left is None:
+            return
+        if is_error or left <= 1:
+            self._generation_ended(request_id)
+        else:
+            self._open_samples[request_id] = left - 1
+
+    def _generation_ended(self, request_id: str) -> None:
+        self._sent_at.pop(request_id, None)
+        self._open_samples.pop(request_id, None)
 
     async def _ask_tokenizer(self, msg: TokenizeRequest | DetokenizeRequest) -> Any:
         """A tokenizer's TokenizeReply or DetokenizeReply to msg; ApiError for its error, 503 when none answers."""

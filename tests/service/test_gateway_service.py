@@ -395,6 +395,24 @@ async def test_a_stream_whose_tokenizer_restarts_ends_with_tokenizer_lost(gatewa
 
 
 @pytest.mark.asyncio
+async def test_a_finished_prompt_of_a_call_still_running_is_not_declared_lost(gateway: GatewayProcess,
+                                                                             peers: FakePeers) -> None:
+    """CI caught an echo call of two prompts ending in 503 tokenizer_lost: the first prompt's generation had finished
+    (its tokenizer rightly no longer held it) while the call waited for the second, and the watch still counted the
+    first as sent and not ended. A generation ends for the watch with its last sample's chunk."""
+    peers.pong_incarnation = "first"
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(gateway.url + "/v1/completions",
+                                    json={"model": MODEL, "prompt": ["quick", "slow"], "stream": True}) as resp:
+                assert resp.status == 200
+                with pytest.raises(TimeoutError):  # pings answered holding only "slow": nothing is lost
+                    await asyncio.wait_for(resp.content.readuntil(b"[DONE]"), 2.0)
+    finally:
+        peers.pong_incarnation = None
+
+
+@pytest.mark.asyncio
 async def test_sdk_models(gateway: GatewayProcess) -> None:
     models = await client(gateway).models.list()
     assert [(m.id, m.object, m.owned_by) for m in models.data] == [(MODEL, "model", "radixserve")]
