@@ -403,7 +403,10 @@ class Table:
             qweight = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // w4.PACK), dtype=torch.int32, device=self.dev)
             scales = (torch.rand(n, k // group_size, device=self.dev) * 0.02).to(self.dtype)
             zeros = torch.randint(0, 16, (n, k // group_size), device=self.dev).to(self.dtype)
-            call = lambda: w4.w4a16_matmul(x, qweight, scales, zeros, group_size, config=cfg)  # noqa: E731
+            if cfg is None:  # as served: config_for's tile, split along K where split_for says
+                call = lambda: w4.w4a16_linear(x, qweight, scales, zeros, group_size)  # noqa: E731
+            else:
+                call = lambda: w4.w4a16_matmul(x, qweight, scales, zeros, group_size, config=cfg)  # noqa: E731
 
             def error() -> float:
                 ref = x.float() @ w4.dequantize_reference(qweight, scales, zeros, group_size).float().t()
@@ -529,14 +532,18 @@ def gemv_sweep(shapes: Shapes = LLAMA3_8B, timer: Timer = graph_timer, max_calls
 
 
 W4A16_TILES = tuple((1, bn, bk, w, 1) for bn in (2, 4, 8, 16, 32) for bk in (512, 1024, 2048) for w in (4, 8))
+W4A16_TOKENS = (8, 64, 256)  # the sweep's multi-token rows: decode batches and a prefill chunk
 
 
 def w4a16_sweep(shapes: Shapes = LLAMA3_8B, timer: Timer = graph_timer, max_calls: int = MAX_CALLS,
                 copy_tbs: float | None = None, device: str = "cuda", tiles: tuple = W4A16_TILES,
-                dtype: torch.dtype = torch.bfloat16, group_size: int = 128) -> dict:
+                dtype: torch.dtype = torch.bfloat16, group_size: int = 128, tokens: tuple = W4A16_TOKENS) -> dict:
     """Each projection of `shapes` at one token on the INT4 kernel (kernels/w4a16.py): at config_for's tile and at
     each of `tiles` no wider than K, beside the bf16 weights on cuBLAS → {"rows", "best": per projection the fastest
-    tile, its µs and fraction of copy, the default tile's µs and cuBLAS bf16's µs}."""
+    tile, its µs and fraction of copy, the default tile's µs and cuBLAS bf16's µs; "tokens": at each of W4A16_TOKENS,
+    the default path as served, the dequantizing dot tile and bf16 cuBLAS}."""
+    from services.gpu_worker.kernels import w4a16 as w4
+
     t = Table(shapes, timer, max_calls, copy_tbs, device, dtype)
     best = {}
     for name, n, k, _ in gemv_shapes(shapes):
@@ -548,7 +555,18 @@ def w4a16_sweep(shapes: Shapes = LLAMA3_8B, timer: Timer = graph_timer, max_call
         cfg = min(tried, key=lambda c: tried[c]["us"])
         best[name] = {"n": n, "k": k, "config": list(cfg), "us": tried[cfg]["us"], "of_copy": tried[cfg].get("of_copy"),
                       "default_us": default["us"], "bf16_cublas_us": dense["us"]}
-    return {"rows": t.rows, "best": best}
+    batches = {}  # several tokens: the default (the group kernel for groups of 128) against the dequantizing tile
+    for m in tokens:
+        for name, n, k, _ in gemv_shapes(shapes):
+            if name == "lm_head":
+                continue
+            dense = t.gemv(name, m, n, k, 1)
+            default = t.w4a16(name, m, n, k, group_size=group_size)
+            dequant = t.w4a16(name, m, n, k, tuple(w4.config_for(m, n, k)), group_size)
+            batches[f"{name}_M{m}"] = {"default_us": default["us"], "dequant_tile_us": dequant["us"],
+                                           "bf16_cublas_us": dense["us"],
+                                           "default_over_bf16": round(default["us"] / dense["us"], 3)}
+    return {"rows": t.rows, "best": best, "tokens": batches}
 
 
 def gemv_tuning(best: dict, tokens: int = 1) -> tuple[dict, int]:

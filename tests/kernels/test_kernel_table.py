@@ -126,7 +126,8 @@ def test_the_w4a16_sweep_checks_each_tile_against_the_dequantized_weight():
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     timer = kt.graph_timer if DEVICE == "cuda" else kt.eager_timer
     tiles = ((1, 2, 32, 4, 1), (1, 4, 64, 4, 1), (1, 2, 128, 4, 1))  # 128 is wider than every K here (64, 96)
-    res = kt.w4a16_sweep(SMALL, timer=timer, max_calls=2, device=DEVICE, dtype=dtype, tiles=tiles, group_size=32)
+    res = kt.w4a16_sweep(SMALL, timer=timer, max_calls=2, device=DEVICE, dtype=dtype, tiles=tiles, group_size=32,
+                         tokens=(5,))
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     for name, row in res["rows"].items():
         assert row["rel_err"] <= tol, (name, row)
@@ -137,3 +138,5 @@ def test_the_w4a16_sweep_checks_each_tile_against_the_dequantized_weight():
                       if key.startswith(f"w4a16_{name}_M1_") and not key.endswith("default"))
         assert b["us"] == fastest[0] and fastest[1].endswith("{}x{}x{}w{}s{}".format(*b["config"]))
         assert b["default_us"] == res["rows"][f"w4a16_{name}_M1_default"]["us"]
+        several = res["tokens"][f"{name}_M5"]  # five tokens: as served, the dequantizing tile, bf16
+        assert several["default_us"] == res["rows"][f"w4a16_{name}_M5_default"]["us"] and several["bf16_cublas_us"] > 0

@@ -15,6 +15,9 @@ from services.gpu_worker.request import SamplingParams
 from tests.kernels.helpers import DEVICE, gpu_only
 
 TIE_MARGIN = 0.05  # logprob gap under which bf16 rounding may flip a greedy choice
+# FP8 W8A8: the activations' e4m3 rounding (3 mantissa bits) turns a bf16 difference in a layer's input (the fused
+# RMSNorm kernel against torch's) into a whole e4m3 step of a few inputs; an H100 saw a 0.125 gap flip the first token
+FP8_TIE_MARGIN = 0.3
 
 
 def _generate(preset, loaded, prompts, num_new, dtype, **overrides):
@@ -29,7 +32,7 @@ def _prompts(vocab: int, num: int, max_len: int) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(rng.randint(1, max_len))] for _ in range(num)]
 
 
-def _assert_same_greedy(ref, got, logprob_tol: float) -> int:
+def _assert_same_greedy(ref, got, logprob_tol: float, tie_margin: float = TIE_MARGIN) -> int:
     """Tokens equal until a near-tie in the reference; logprobs close until then. Returns tokens compared."""
     num_compared = 0
     for r, g in zip(ref, got, strict=True):
@@ -37,7 +40,7 @@ def _assert_same_greedy(ref, got, logprob_tol: float) -> int:
             lr = r.logprobs[i]
             assert abs(lr.logprob - g.logprobs[i].logprob) < logprob_tol
             if tr != tg:
-                assert lr.top[0][1] - lr.top[1][1] < TIE_MARGIN, f"token {i} differs without a near-tie"
+                assert lr.top[0][1] - lr.top[1][1] < tie_margin, f"token {i} differs without a near-tie"
                 break
             num_compared += 1
     return num_compared
@@ -184,8 +187,9 @@ def _eager_and_graphs_follow_torch(name: str, loaded: LoadedModel, num_prompts: 
                       **overrides)
     graphs = _generate(name, loaded, prompts, num_new, "bfloat16", attention_backend="triton",
                        max_num_batched_tokens=step_tokens, **overrides)
-    assert _assert_same_greedy(ref, eager, 0.1) >= num_prompts * num_new // 2
-    assert _assert_same_greedy(ref, graphs, 0.1) >= num_prompts * num_new // 2
+    margin = FP8_TIE_MARGIN if overrides.get("quantization") == "fp8" else TIE_MARGIN
+    assert _assert_same_greedy(ref, eager, 0.1, margin) >= num_prompts * num_new // 2
+    assert _assert_same_greedy(ref, graphs, 0.1, margin) >= num_prompts * num_new // 2
 
 
 @pytest.mark.gpu

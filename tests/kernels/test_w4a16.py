@@ -96,11 +96,36 @@ def test_w4a16_split_k_partials(num_tokens, block_m):
     _check(num_tokens, 24, 256, 32, torch.float32, 1e-5, parts=4, config=w4.W4A16Config(block_m, 16, 32, 4))
 
 
+@pytest.mark.parametrize("num_tokens,config,parts", [
+    (5, w4.W4A16Config(16, 16, 128, 4), 1),  # N = 40 fills 2.5 tiles of the group kernel
+    (21, w4.W4A16Config(16, 32, 128, 4), 1),  # two M blocks, the last part-filled
+    (3, w4.W4A16Config(16, 16, 128, 4), 3),  # 3 parts of 1 group each
+])
+def test_w4a16_group_kernel_tiles_and_parts(num_tokens, config, parts):
+    # K = 384 is 3 groups of 128: the tensor-core kernel, a group a step
+    _check(num_tokens, 40, 384, 128, torch.float32, 1e-5, bias=parts == 1, parts=parts, config=config)
+
+
+def test_split_for_fills_the_sms_with_whole_groups():
+    cfg64 = w4.config_for(64, 4096, 4096, group_size=128)
+    assert (cfg64.block_m, cfg64.block_n) == (64, 64)
+    # 64 tiles on 132 SMs: 5 parts would fill them twice; 32 groups split 4 ways
+    assert w4.split_for(64, 4096, 4096, 128, cfg64, 132) == 4
+    assert w4.split_for(64, 4096, 14336, 128, cfg64, 132) == 4  # 112 groups: 4 divides them
+    assert w4.split_for(64, 4096, 3 * 128, 128, cfg64, 132) == 3  # 3 groups: at most 3
+    assert w4.split_for(512, 28672, 4096, 128, w4.config_for(512, 28672, 4096, group_size=128), 132) == 1
+    assert w4.split_for(1, 4096, 4096, 128, w4.config_for(1, 4096, 4096), 132) == 1  # 512 row tiles already
+
+
 def test_w4a16_default_tiles():
     assert w4.config_for(1, 4096, 4096).block_m == 1
     for m in (2, 16):
         assert w4.config_for(m, 4096, 4096).block_m == w4.DECODE_MAX_TOKENS
     assert w4.config_for(17, 4096, 4096).block_m == 64 and w4.config_for(65, 4096, 4096).block_m == 128
+    for m in (2, 16, 17, 300):  # published groups of 128 take the group kernel (block_k the group), 32 the dot tile
+        assert w4.config_for(m, 4096, 4096, group_size=128).block_k == 128
+        assert w4.config_for(m, 4096, 4096, group_size=32) == w4.config_for(m, 4096, 4096)
+    assert w4.is_group_tiled(128) and w4.is_group_tiled(256) and not w4.is_group_tiled(64)
     for m in (1, 8, 40, 512):
         for n, k in (4096, 4096), (14336, 4096), (4096, 14336), (64, 96):
             cfg = w4.config_for(m, n, k)
@@ -117,10 +142,15 @@ def _compile_default_tiles_for_sm90(out_dir: str) -> None:
 
     for m, k in (1, 4096), (1, 14336), (8, 4096), (40, 4096), (300, 4096):
         cfg = w4.config_for(m, 4096, k)
-        for one_group in (True, False) if m > 1 else (None,):  # the one-token kernel gathers a scale per word
+        for one_group in (True, False, "group") if m > 1 else (None,):  # the one-token kernel gathers a scale per word
             if m == 1:
                 fn = w4._w4a16_gemv_kernel
                 consts = {"HAS_BIAS": True, "BLOCK_N": cfg.block_n, "BLOCK_W": cfg.block_k // w4.PACK, "EVEN_K": True}
+            elif one_group == "group":  # groups of 128: the tensor-core group kernel
+                cfg = w4.config_for(m, 4096, k, group_size=128)
+                fn = w4._w4a16_group_kernel
+                consts = {"HAS_BIAS": True, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "GROUP_W": 128 // w4.PACK,
+                          "IEEE_DOT": False}
             else:
                 fn = w4._w4a16_kernel
                 consts = {"HAS_BIAS": True, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
@@ -161,16 +191,18 @@ def test_the_default_tiles_compile_for_sm90_without_spilling(tmp_path):
                          text=True, env=env, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     tiles = [json.loads(line) for line in run.stdout.splitlines()]
-    assert len(tiles) == 8  # one token at two widths of K; 8, 40 and 300 tokens with each way of loading scales
+    # one token at two widths of K; 8, 40 and 300 tokens with each way of loading scales and on the group kernel
+    assert len(tiles) == 11
     for tile in tiles:
         assert tile["stack"] == 0 and tile["local"] == 0, tile
         assert tile["wgmma"] == (tile["block_m"] >= 64), tile
 
 
-def test_the_nibble_order_is_k_8j_plus_i():
+@pytest.mark.parametrize("group_size", [32, 128])  # the dequantizing tiles; the group kernel past one token
+def test_the_nibble_order_is_k_8j_plus_i(group_size):
     """Weights whose nibbles differ at every position of a word (scale 1, zero 0): x = rows of the identity read
     columns of W back exactly on each path, and the same integers packed in the reverse nibble order do not."""
-    n, k, group_size = 16, 64, 32
+    n, k = 16, 256
     q = ((torch.arange(k)[None, :] % 8) * 2 + (torch.arange(n)[:, None] % 2)).to(DEVICE)  # 0..15, distinct per i
     scales = torch.ones((n, k // group_size), device=DEVICE)
     zeros = torch.zeros((n, k // group_size), device=DEVICE)

@@ -6,31 +6,25 @@ The layout (internal; the loader converts AWQ and GPTQ checkpoints into it):
 - scales [N, K // G] and zeros [N, K // G] in the model dtype, zeros holding the integer zero point as a float;
 - w[n, k] = (q[n, k] - zeros[n, k // G]) * scales[n, k // G], G (group_size) a multiple of 8 that divides K.
 
-One kernel, two kinds of tile, picked by M (`w4a16_linear`):
-- decode, M ≤ DECODE_MAX_TOKENS (16): the GEMV of kernels/gemv.py with the weight unpacked on the fly. One program
-  owns BLOCK_N rows of W and one of `parts` slices of K and covers every row of x, so each packed word is read and
-  dequantized once a call. One token has a kernel of its own (_w4a16_gemv_kernel): it never materialises the
-  unpacked [BLOCK_N, BLOCK_K] tile, but multiplies nibble i of each word by x[8j + i] and applies the word's scale
-  and zero once to its sums (the first version unpacked by reshape and gathered a scale and a zero per weight: on an
-  H100, Llama-3.1-8B's batch-1 step took 18.1 ms, 11.2x its roofline, 96 % of it in this kernel). 2..16 tokens pad
-  x to 16 rows and use tl.dot.
-- prefill, M > 16: a tiled GEMM (BLOCK_M x BLOCK_N x BLOCK_K, tl.dot): each program dequantizes its [BLOCK_N,
-  BLOCK_K] tile of W to x's dtype in registers and multiplies it by BLOCK_M rows of x, so W is read and dequantized
-  cdiv(M, BLOCK_M) times — once per 64 or 128 rows.
+Three kernels, picked by M and the group size (`w4a16_linear`, `config_for`):
+- one token (_w4a16_gemv_kernel): one program owns BLOCK_N rows of W and covers K in steps of BLOCK_W words; it
+  never materialises an unpacked tile, but multiplies nibble i of each word by x[8j + i] and applies the word's
+  scale and zero once to its sums. A nibble becomes a float in one LOP3 and one FFMA (_nibble: masked in place and
+  OR'd into the mantissa of 2^23). History on an H100, Llama-3.1-8B batch-1 step: 18.1 ms with an unpacking reshape
+  and a scale gathered per weight; 4.43 ms (2.76x its 1.61 ms roofline, 84 % of it this kernel, ~35 % of copy
+  bandwidth: bound by its instructions, not by memory) with shift, mask, OR and FADD per nibble; the LOP3 + FFMA
+  form halves the integer instructions and is untimed.
+- two or more tokens, groups of ≥ 128 columns (AWQ and GPTQ as published): _w4a16_group_kernel, the nibbles as
+  integers on the tensor cores, a group a step, its scale and zero applied once to the group's [BLOCK_M, BLOCK_N]
+  sums; split along K (split_for) where the tiles alone would leave SMs idle. It replaces, for those groups, the
+  dequantizing dot tile below, which an H100 ran at 27.3 ms a 64-token step of Llama-3.1-8B (FP8 weights: 6.4 ms).
+- other groups (32, 64): the dequantizing dot tile (_w4a16_kernel): each program dequantizes its [BLOCK_N, BLOCK_K]
+  tile of W to x's dtype in registers (unpack by broadcasting each word against the shifts 0, 4, .., 28, then
+  reshape [BLOCK_N, BLOCK_K // 8, 8] to [BLOCK_N, BLOCK_K], nibble i of word j at column 8j + i) and multiplies it
+  by BLOCK_M rows of x; up to 16 tokens take one 16-row block (tl.dot's narrowest), so W is read once.
 
-Why 16: tl.dot's narrowest M tile is 16, so up to 16 tokens fit one M block and the decode tile reads W once. Past
-16 the decode tile would read and unpack all of W again for every 16 rows; the GEMM tile's 64 or 128 rows amortise
-the unpacking and feed the tensor cores a full tile. The alternative for prefill — dequantize all of W to the model
-dtype once a call, then torch.nn.functional.linear — moves 4.5 bytes a weight (read the half byte, write and read 2)
-instead of half a byte a BLOCK_M rows, and needs an N x K temporary per call; at large M both are compute-bound, and
-whether cuBLAS on the temporary would beat this Triton GEMM there is unmeasured.
-
-In the dot tiles, words are unpacked by broadcasting each loaded word against the 8 shifts 0, 4, .., 28 and masking
-with 0xF (a negative int32 shifts arithmetically, but the mask keeps only the nibble), then reshaping [BLOCK_N,
-BLOCK_K // 8, 8] to [BLOCK_N, BLOCK_K], which puts nibble i of word j at column 8j + i. A block of K inside one group (G a multiple
-of BLOCK_K) loads one scale and zero per row; otherwise each column gathers its group's.
-
-Tiles are untuned (no GPU has timed them); ptxas for sm_90 fits them without spills: `config_for` below.
+The float W [N, K] is never written to memory: dequantizing all of it once a call and calling cuBLAS would move 4.5
+bytes a weight (read half a byte, write and read 2) instead of half a byte.
 """
 from __future__ import annotations
 
@@ -41,6 +35,8 @@ import triton
 import triton.language as tl
 
 DECODE_MAX_TOKENS = 16  # M up to this takes the decode (GEMV) tile; larger M the GEMM tile: see the module docstring
+GROUP_TILE_MIN = 128  # columns: tl.dot's K is at least 16 words of 8 nibbles
+MAX_PARTS = 8  # split-K slices at most (each writes an fp32 partial [M, N])
 PACK = 8  # nibbles a packed int32 word holds
 MAGIC_BITS = tl.constexpr(0x4B000000)  # the float 2^23's bits: a nibble OR'd into its mantissa reads 2^23 + q
 MAGIC = tl.constexpr(8388608.0)  # 2^23
@@ -54,23 +50,62 @@ class W4A16Config(NamedTuple):
     num_stages: int = 1
 
 
-def config_for(num_tokens: int, n: int, k: int, parts: int = 1) -> W4A16Config:
-    """Untuned tiles, chosen only so that ptxas for sm_90 fits each in registers without spilling (bf16, both ways of
-    loading scales; tests/kernels/test_w4a16.py checks it offline). One token: 8 rows by up to 1024 columns over 4
-    warps. The bf16 GEMV's best tiles are 2 rows wide, but here each program reads x as 8 strided passes (x[8j + i]
-    for each nibble i: 16 bytes of sector for each 2-byte element), so that traffic is 32 / BLOCK_N times the packed
-    weights' own; 2 rows by 4096 served Llama-3.1-8B's batch-1 step in 5.00 ms on an H100 (roofline 1.61), with an
-    int→float conversion a nibble, since replaced. 8 x 1024 is reasoned, not yet timed (kernel_table --w4a16-sweep).
-    2..16 tokens: gemv.py's 16 x 16 x 256 dot tile. Prefill: 64 x 128 x 64 over 8 warps up to 64 rows (4 warps spilled),
-    else 128 x 128 x 32 (x 64 spilled with per-column scales)."""
+def is_group_tiled(group_size: int) -> bool:
+    """Groups the tensor-core kernel takes whole, one a step (_w4a16_group_kernel): 8·2^i ≥ 128 columns."""
+    words = group_size // PACK
+    return group_size >= GROUP_TILE_MIN and words & (words - 1) == 0
+
+
+def config_for(num_tokens: int, n: int, k: int, parts: int = 1, group_size: int | None = None) -> W4A16Config:
+    """The tile for a call. One token: 8 rows by up to 2048 columns over 4 warps, the fastest of kernel_table's
+    --w4a16-sweep for o, gate_up and down on an H100 (2026-12-06: 10.4, 52.7 and 30.4 µs; qkv's best, 4 rows, was
+    0.3 % faster). Each program reads x as 8 strided passes (x[8j + i] for each nibble i), so wider rows amortise
+    that traffic. Two or more tokens with groups is_group_tiled takes (published AWQ/GPTQ: 128): the group kernel,
+    16 x 64 over 4 warps up to 16 tokens, 64 x 64 over 8 up to 64, else 128 x 64 over 8 (128 x 128 and 64 x 64 over 4
+    spill), block_k the group. Other groups (32, 64): the dequantizing
+    dot tile — gemv.py's 16 x 16 x 256 up to 16 tokens, 64 x 128 x 64 over 8 warps up to 64, else 128 x 128 x 32 — which
+    an H100 ran 10x slower than bf16 cuBLAS at 64 tokens (model_speed, 2026-12-06). ptxas for sm_90 fits every default
+    tile without spilling (tests/kernels/test_w4a16.py checks it offline)."""
     width = triton.next_power_of_2(max(16, k // parts))
-    if num_tokens == 1:  # 8 rows by 1024 columns: each program's strided reads of x serve 8 rows of W
-        return W4A16Config(1, 8, min(1024, width), 4)
+    if num_tokens == 1:
+        return W4A16Config(1, 8, min(2048, width), 4)
+    if group_size is not None and is_group_tiled(group_size):
+        if num_tokens <= DECODE_MAX_TOKENS:
+            return W4A16Config(DECODE_MAX_TOKENS, 64, group_size, 4, 2)
+        return W4A16Config(64 if num_tokens <= 64 else 128, 64, group_size, 8, 2)
     if num_tokens <= DECODE_MAX_TOKENS:
         return W4A16Config(DECODE_MAX_TOKENS, 16, min(256, width), 4)
     if num_tokens <= 64:
         return W4A16Config(64, 128, min(64, width), 8, 3)
     return W4A16Config(128, 128, min(32, width), 8, 4)
+
+
+def split_for(num_tokens: int, n: int, k: int, group_size: int, cfg: W4A16Config, num_sms: int) -> int:
+    """How many slices of K (whole groups each) a call splits into so that its programs fill the GPU twice over: a
+    64-token o projection of Llama-3.1-8B is only 64 tiles of 64 x 64 on 132 SMs. At most MAX_PARTS, 1 for one token
+    (its 8-row tiles already number N / 8) and for tiles that fill the SMs alone."""
+    if cfg.block_m == 1:
+        return 1
+    tiles = triton.cdiv(num_tokens, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    want = min(MAX_PARTS, triton.cdiv(2 * num_sms, tiles))
+    groups = k // group_size
+    return max(p for p in range(1, want + 1) if groups % p == 0)
+
+
+@triton.jit
+def _nibble(words, high, I: tl.constexpr):
+    """Nibble I of each word (0..15) as a float, exactly, in one LOP3 and one FFMA a weight where shift, mask, OR and
+    FADD took four: the nibble masked in place (no shift) and OR'd into the mantissa of 2^23 reads as the float
+    2^23 + 16^j·q (≤ 2^23 + 15·16^4, exact), and (2^23 + 16^j·q)·16^-j − 2^23·16^-j = q, exactly (powers of two).
+    Nibbles 5..7 come from `high` = words >> 12 (one shift a word), at places j = 2..4, so every mask stays below
+    bit 20 and clear of the exponent."""
+    if I < 5:
+        f = ((words & (0xF << (4 * I))) | MAGIC_BITS).to(tl.float32, bitcast=True)
+        inv = 1.0 / (1 << (4 * I))
+    else:
+        f = ((high & (0xF << (4 * (I - 3)))) | MAGIC_BITS).to(tl.float32, bitcast=True)
+        inv = 1.0 / (1 << (4 * (I - 3)))
+    return f * inv - MAGIC * inv
 
 
 @triton.jit
@@ -125,14 +160,12 @@ def _w4a16_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, k_per_part
             mask = mask_n[:, None] & mask_w[None, :]
         words = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_w[None, :], mask=mask, other=0,
                         eviction_policy="evict_first")  # [BLOCK_N, BLOCK_W] int32
+        high = words >> 12  # nibbles 5, 6, 7 at bits 8, 12, 16
         dot = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
         xsum = tl.zeros([BLOCK_W], dtype=tl.float32)
         for i in tl.static_range(8):
             xi = tl.load(x_ptr + offs_w * 8 + i, mask=mask_w, other=0.0).to(tl.float32)  # [BLOCK_W]
-            # the nibble as a float without an int→float conversion (a quarter-rate instruction): its bits OR'd into
-            # 2^23's mantissa give the float 2^23 + q exactly, and subtracting 2^23 leaves q
-            q = (((words >> (4 * i)) & 0xF) | MAGIC_BITS).to(tl.float32, bitcast=True) - MAGIC
-            dot += q * xi[None, :]
+            dot += _nibble(words, high, i) * xi[None, :]
             xsum += xi
         g_off = offs_n[:, None] * stride_sn + (offs_w // words_per_group)[None, :]
         s = tl.load(s_ptr + g_off, mask=mask & mask_w[None, :], other=0.0).to(tl.float32)
@@ -142,6 +175,50 @@ def _w4a16_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, k_per_part
     if HAS_BIAS:
         out += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     tl.store(out_ptr + part * stride_op + offs_n, out.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _w4a16_group_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, groups_per_part, stride_xm, stride_qn,
+                        stride_sn, stride_op, stride_om, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_W: tl.constexpr,
+                        IEEE_DOT: tl.constexpr):
+    """Two or more tokens, groups of 8·GROUP_W ≥ 128 columns: out[part, m, n] = Σ over the part's groups g of
+    s[n, g]·(Σ_{k in g} x[m, k]·q[n, k] − z[n, g]·Σ_{k in g} x[m, k]). The integer nibbles go to the tensor cores
+    as they are (exact in bf16), one group a step: for each nibble place i, the [BLOCK_M, GROUP_W] columns
+    x[:, 8j + i] against the [GROUP_W, BLOCK_N] nibbles i (one LOP3 and one FFMA a weight: _nibble), so no tile is reshaped or transposed in registers and the scale and zero
+    apply once a group to the [BLOCK_M, BLOCK_N] sums instead of once a weight."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    part = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_w = tl.arange(0, GROUP_W)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    g_lo = part * groups_per_part
+    for g in range(g_lo, g_lo + groups_per_part):
+        w_idx = g * GROUP_W + offs_w  # [GROUP_W] words of group g
+        words = tl.load(q_ptr + offs_n[None, :] * stride_qn + w_idx[:, None], mask=mask_n[None, :], other=0,
+                        eviction_policy="evict_first")  # [GROUP_W, BLOCK_N] int32
+        high = words >> 12
+        sums = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        xsum = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for i in tl.static_range(8):
+            xi = tl.load(x_ptr + offs_m[:, None] * stride_xm + (w_idx * 8 + i)[None, :], mask=mask_m[:, None],
+                         other=0.0)  # [BLOCK_M, GROUP_W]
+            xsum += tl.sum(xi.to(tl.float32), axis=1)
+            q = _nibble(words, high, i)  # [GROUP_W, BLOCK_N] fp32, integers 0..15
+            if IEEE_DOT:  # fp32 activations: no TF32 rounding
+                sums = tl.dot(xi, q, sums, input_precision="ieee")
+            else:
+                sums = tl.dot(xi, q.to(xi.dtype), sums)
+        s = tl.load(s_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0).to(tl.float32)
+        acc += (sums - xsum[:, None] * z[None, :]) * s[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + part * stride_op + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
@@ -199,7 +276,7 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     if (k // group_size) % parts or (parts > 1 and bias is not None):
         raise ValueError(f"w4a16: parts {parts} must divide the {k // group_size} groups of K, and partials take "
                          f"no bias")
-    cfg = config or config_for(num_tokens, n, k, parts)
+    cfg = config or config_for(num_tokens, n, k, parts, group_size)
     if cfg.block_k % PACK or (cfg.block_m == 1 and num_tokens != 1):
         raise ValueError(f"w4a16: tile {cfg} for {num_tokens} tokens: block_k must be a multiple of {PACK}, "
                          f"block_m 1 serves one token")
@@ -216,6 +293,14 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
             num_stages=cfg.num_stages)
         return out[0] if parts == 1 else out
     grid = (triton.cdiv(num_tokens, cfg.block_m), triton.cdiv(n, cfg.block_n), parts)
+    if cfg.block_k == group_size and is_group_tiled(group_size):
+        _w4a16_group_kernel[grid](
+            x, qweight, scales, zeros, bias if bias is not None else scales, out, num_tokens, n,
+            k_per_part // group_size, x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), out.stride(1),
+            HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            GROUP_W=group_size // PACK, IEEE_DOT=x.dtype == torch.float32, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
+        return out[0] if parts == 1 else out
     _w4a16_kernel[grid](
         x, qweight, scales, zeros, bias if bias is not None else scales, out, num_tokens, n, k_per_part, group_size,
         x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), out.stride(1), HAS_BIAS=bias is not None,
@@ -226,11 +311,28 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
 
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ Wᵀ (+ bias) → [M, N] in x's dtype, W the INT4 weight (layout: module docstring). M ≤
-    DECODE_MAX_TOKENS takes the decode tile (W read once), larger M the GEMM tile."""
+    """x [M, K] @ Wᵀ (+ bias) → [M, N] in x's dtype, W the INT4 weight (layout: module docstring), at config_for's
+    tile, split along K where its tiles alone would leave SMs idle (split_for; the partials summed here)."""
     if x.dim() != 2 or x.shape[0] == 0:
         raise ValueError(f"w4a16_linear takes x [M ≥ 1, K], not {tuple(x.shape)}")
-    return w4a16_matmul(x, qweight, scales, zeros, group_size, bias)
+    (num_tokens, k), n = x.shape, qweight.shape[0]
+    cfg = config_for(num_tokens, n, k, 1, group_size)
+    parts = split_for(num_tokens, n, k, group_size, cfg, _num_sms(x.device)) if k % group_size == 0 else 1
+    if parts == 1:
+        return w4a16_matmul(x, qweight, scales, zeros, group_size, bias, config=cfg)
+    out = w4a16_matmul(x, qweight, scales, zeros, group_size, None, parts, cfg).sum(0)
+    return (out if bias is None else out + bias.float()).to(x.dtype)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    if device.index not in _SMS:
+        _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device.index]
+
+
+_SMS: dict[int | None, int] = {}
 
 
 def unpack_reference(qweight: torch.Tensor) -> torch.Tensor:
