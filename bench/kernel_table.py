@@ -10,7 +10,8 @@ over inputs of its own, and one replay (do_bench flushes L2 before it) is divide
 from DRAM, and a row is what the kernel costs as a node of the engine's graphs: its GPU time plus the gap to the
 next node. The row `empty`, a kernel of one program that does nothing, is that floor.
 
-    python -m bench.kernel_table --out $OUT [--tile-sweep] [--split-sweep] [--gemv-sweep] [--w4a16-sweep]  # Llama-3.1-8B
+    python -m bench.kernel_table --out $OUT [--tile-sweep] [--split-sweep] [--gemv-sweep] [--w4a16-sweep]
+        [--fp8-gemv-sweep]  # Llama-3.1-8B
     python -m bench.kernel_table --out $OUT --no-table --moe [--moe-tiles 16,64,64,4,2;...]  # Qwen3-30B-A3B's MoE
 
 The sweeps time one kernel over its options: the decode kernel by tile at small batches and by split count at large
@@ -367,15 +368,19 @@ class Table:
         return self.measure(f"moe_E{m.num_experts}_k{m.top_k}_T{tokens}{label}", num_bytes, build,
                             flops=2 * tokens * m.top_k * 3 * m.hidden * m.inter)
 
-    def gemv(self, name: str, tokens: int, n: int, k: int, parts: int, config: tuple | None = None) -> dict:
+    def gemv(self, name: str, tokens: int, n: int, k: int, parts: int, config: tuple | None = None,
+             fp8: bool = False) -> dict:
         """x [tokens, k] @ w [n, k]ᵀ: on the Triton GEMV with `config` (kernels/gemv.py; parts > 1: fp32 partials), or
-        with config None on cuBLAS the way model/fused.py calls it (F.linear; parts > 1: its split-K bmm)."""
+        with config None on cuBLAS the way model/fused.py calls it (F.linear; parts > 1: its split-K bmm). fp8: w in
+        e4m3 with a float32 scale a row (W8A16, as quant/fp8.py serves one token), on the GEMV only."""
         import torch.nn.functional as F
 
         from services.gpu_worker.kernels import gemv as g
         from services.gpu_worker.model import fused
 
         cfg = None if config is None else g.GemvConfig(*config)
+        if fp8:
+            return self._gemv_fp8(name, tokens, n, k, cfg)
 
         def build(i: int):
             x, w = self.randn(tokens, k), self.randn(n, k) * k ** -0.5
@@ -389,6 +394,19 @@ class Table:
         label = "cublas" if config is None else "{}x{}w{}s{}".format(*config)
         return self.measure(f"gemv_{name}_M{tokens}_p{parts}_{label}", (n + tokens) * k * self.esize + out_bytes,
                             build)
+
+    def _gemv_fp8(self, name: str, tokens: int, n: int, k: int, cfg) -> dict:
+        from services.gpu_worker.kernels import gemv as g
+        from services.gpu_worker.quant.fp8 import quantize_weight_fp8
+
+        def build(i: int):
+            x = self.randn(tokens, k)
+            w8, scale = quantize_weight_fp8(self.randn(n, k) * k ** -0.5)
+            call = lambda: g.gemv(x, w8, config=cfg, scale=scale.float())  # noqa: E731
+            return call, (lambda: rel_err(call(), g.gemv_ref(x, w8, scale=scale.float())))
+
+        label = "default" if cfg is None else "{}x{}w{}s{}".format(*cfg)
+        return self.measure(f"gemv8_{name}_M{tokens}_{label}", n * k + 4 * n + tokens * (n + k) * self.esize, build)
 
     def w4a16(self, name: str, tokens: int, n: int, k: int, config: tuple | None = None,
               group_size: int = 128) -> dict:
@@ -531,6 +549,29 @@ def gemv_sweep(shapes: Shapes = LLAMA3_8B, timer: Timer = graph_timer, max_calls
     return {"rows": t.rows, "best": best}
 
 
+FP8_GEMV_TILES = tuple((bn, bk, w, 1) for bn in (1, 2, 4, 8) for bk in (1024, 2048, 4096, 8192) for w in (4, 8))
+
+
+def fp8_gemv_sweep(shapes: Shapes = LLAMA3_8B, timer: Timer = graph_timer, max_calls: int = MAX_CALLS,
+                   copy_tbs: float | None = None, device: str = "cuda", tiles: tuple = FP8_GEMV_TILES,
+                   dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Each projection but the LM head (quantization leaves it alone) at one token with e4m3 weights on the Triton
+    GEMV: at config_for's tile (TUNED_FP8's, else the bf16 one) and each of `tiles` no wider than K → {"rows",
+    "best": per projection the fastest tile, its µs and fraction of copy, and the default tile's µs}: gemv.TUNED_FP8's
+    entries."""
+    t = Table(shapes, timer, max_calls, copy_tbs, device, dtype)
+    best = {}
+    for name, n, k, _ in gemv_shapes(shapes):
+        if name == "lm_head":
+            continue
+        default = t.gemv(name, 1, n, k, 1, fp8=True)
+        tried = {cfg: t.gemv(name, 1, n, k, 1, cfg, fp8=True) for cfg in tiles if cfg[1] <= k}
+        cfg = min(tried, key=lambda c: tried[c]["us"])
+        best[name] = {"n": n, "k": k, "config": list(cfg), "us": tried[cfg]["us"], "of_copy": tried[cfg].get("of_copy"),
+                      "default_us": default["us"], "default_of_copy": default.get("of_copy")}
+    return {"rows": t.rows, "best": best}
+
+
 W4A16_TILES = tuple((1, bn, bk, w, 1) for bn in (2, 4, 8, 16, 32) for bk in (512, 1024, 2048) for w in (4, 8))
 W4A16_TOKENS = (8, 64, 256)  # the sweep's multi-token rows: decode batches and a prefill chunk
 
@@ -618,6 +659,8 @@ def main() -> int:
                    "by tile and split count at 1 and 8 tokens (gemv_sweep), under the key gemv_sweep")
     p.add_argument("--w4a16-sweep", action="store_true", help="also the projections at one token on the INT4 "
                    "kernel by tile (w4a16_sweep), under the key w4a16_sweep")
+    p.add_argument("--fp8-gemv-sweep", action="store_true", help="also the projections at one token with e4m3 weights "
+                   "on the Triton GEMV by tile (fp8_gemv_sweep), under the key fp8_gemv_sweep")
     p.add_argument("--moe", action="store_true", help="also the fused MoE layer on Qwen3-30B-A3B's expert shapes "
                    "(moe_rows), under the key moe")
     p.add_argument("--moe-tiles", default="", help="--moe with these tiles (block_m,block_n,block_k,warps,stages "
@@ -644,11 +687,13 @@ def main() -> int:
     parts = (({} if args.no_table else {"rows": table}) | ({"tile_sweep": sweep} if args.tile_sweep else {})
              | ({"split_sweep": split_sweep} if args.split_sweep else {})
              | ({"gemv_sweep": gemv_sweep} if args.gemv_sweep else {})
-             | ({"w4a16_sweep": w4a16_sweep} if args.w4a16_sweep else {}) | ({"moe": moe} if args.moe else {}))
+             | ({"w4a16_sweep": w4a16_sweep} if args.w4a16_sweep else {})
+             | ({"fp8_gemv_sweep": fp8_gemv_sweep} if args.fp8_gemv_sweep else {}) | ({"moe": moe} if args.moe else {}))
     for key, run in parts.items():
         record[key] = run(copy_tbs=copy_tbs)
         (out / "kernel_table.json").write_text(json.dumps(record, indent=2))
-        print(markdown(record[key]["rows"] if key in ("gemv_sweep", "w4a16_sweep") else record[key]), flush=True)
+        print(markdown(record[key]["rows"] if key.endswith("_sweep") and key not in ("tile_sweep", "split_sweep")
+                       else record[key]), flush=True)
     return 0
 
 

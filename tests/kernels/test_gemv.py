@@ -113,3 +113,13 @@ def test_the_flag_reaches_the_engine_from_serve_and_the_worker(tmp_path, capsys)
     for bad in ("17", "one"):
         with pytest.raises(ValueError, match="gemv_max_tokens must be"):
             WorkerConfig(gemv_max_tokens=bad)
+
+
+def test_fp8_weights_take_their_own_tuned_tile(monkeypatch):
+    """TUNED_FP8 (e4m3 weights, kernel_table --fp8-gemv-sweep) comes first for an e4m3 weight; a bf16 weight, and a
+    shape TUNED_FP8 lacks, keep TUNED's tile."""
+    key = (6144, 4096, 1, 1)
+    monkeypatch.setitem(g.TUNED_FP8, key, g.GemvConfig(8, 1024, 8))
+    assert g.config_for(6144, 4096, 1, 1, fp8=True) == g.GemvConfig(8, 1024, 8)
+    assert g.config_for(6144, 4096, 1, 1) == g.TUNED[key]
+    assert g.config_for(4096, 4096, 1, 1, fp8=True) == g.config_for(4096, 4096, 1, 1)

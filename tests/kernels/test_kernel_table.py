@@ -140,3 +140,20 @@ def test_the_w4a16_sweep_checks_each_tile_against_the_dequantized_weight():
         assert b["default_us"] == res["rows"][f"w4a16_{name}_M1_default"]["us"]
         several = res["tokens"][f"{name}_M5"]  # five tokens: as served, the dequantizing tile, bf16
         assert several["default_us"] == res["rows"][f"w4a16_{name}_M5_default"]["us"] and several["bf16_cublas_us"] > 0
+
+
+def test_the_fp8_gemv_sweep_checks_each_tile_against_the_scaled_weight():
+    """Each projection but the LM head at one token with e4m3 weights: the GEMV at its default tile and at each tile
+    that fits K matches x @ (weight · scale)ᵀ; "best" names the fastest tile tried, beside the default."""
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    timer = kt.graph_timer if DEVICE == "cuda" else kt.eager_timer
+    tiles = ((1, 32, 4, 1), (2, 64, 4, 1), (4, 128, 4, 1))  # 128 is wider than every K here (64, 96)
+    res = kt.fp8_gemv_sweep(SMALL, timer=timer, max_calls=2, device=DEVICE, dtype=dtype, tiles=tiles)
+    for name, row in res["rows"].items():
+        assert row["rel_err"] <= 2e-2, (name, row)
+    assert set(res["best"]) == {"qkv", "o", "gate_up", "down"}
+    assert "gemv8_o_M1_2x64w4s1" in res["rows"] and not any(key.endswith("4x128w4s1") for key in res["rows"])
+    for name, b in res["best"].items():
+        fastest = min((r["us"], key) for key, r in res["rows"].items()
+                      if key.startswith(f"gemv8_{name}_M1_") and not key.endswith("default"))
+        assert b["us"] == fastest[0] and fastest[1].endswith("{}x{}w{}s{}".format(*b["config"]))

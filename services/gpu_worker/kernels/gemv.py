@@ -54,6 +54,11 @@ TUNED: dict[tuple[int, int, int, int], GemvConfig] = {
 }
 
 
+# The same for e4m3 weights (W8A16, quant/fp8.py) at one token: half the bytes a row, so other tiles win; filled from
+# kernel_table --fp8-gemv-sweep. Shapes it lacks take TUNED's tile (the bf16 one), as before it existed.
+TUNED_FP8: dict[tuple[int, int, int, int], GemvConfig] = {}
+
+
 def m_bucket(num_tokens: int) -> int:
     return 1 if num_tokens == 1 else MAX_TOKENS
 
@@ -67,8 +72,9 @@ def heuristic_config(n: int, k: int, parts: int, num_tokens: int) -> GemvConfig:
     return GemvConfig(2, width, 4) if width <= 4096 else GemvConfig(4, 2048, 4)
 
 
-def config_for(n: int, k: int, parts: int, num_tokens: int) -> GemvConfig:
-    return TUNED.get((n, k, parts, m_bucket(num_tokens))) or heuristic_config(n, k, parts, num_tokens)
+def config_for(n: int, k: int, parts: int, num_tokens: int, fp8: bool = False) -> GemvConfig:
+    key = (n, k, parts, m_bucket(num_tokens))
+    return (fp8 and TUNED_FP8.get(key)) or TUNED.get(key) or heuristic_config(n, k, parts, num_tokens)
 
 
 @triton.jit
@@ -131,7 +137,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                          f"bias {bias is not None}: K must match and divide into parts, and partials take no bias")
     assert x.stride(1) == 1 and weight.stride(1) == 1
     assert scale is None or (scale.dtype == torch.float32 and scale.shape == (n,) and scale.stride(0) == 1)
-    cfg = config or config_for(n, k, parts, num_tokens)
+    cfg = config or config_for(n, k, parts, num_tokens, fp8=weight.element_size() == 1)
     if parts == 1:
         out = torch.empty((num_tokens, n), dtype=x.dtype, device=x.device)
         stride_op = 0
