@@ -1,4 +1,4 @@
-"""Offline: batch-1 TPOT with and without speculative decoding, on prompt lookup (n-gram) or a replay proposer.
+"""Offline: TPOT with and without speculative decoding, on prompt lookup (n-gram) or a replay proposer.
 
 N-gram mode (the default; CPU, bundled model): each request gives the bundled chat model a passage of code and asks
 for it back with one small change (a rename), so most of the answer copies the prompt: the workload prompt lookup is
@@ -10,24 +10,26 @@ of speculation where its drafts mostly fail.
 
     .venv/bin/python -m bench.spec_decode --threads 1 --out bench/results/spec_decode_cpu_$(date +%Y%m%d).json
 
-Replay mode (`--proposer replay`; any device, random weights of a real shape): the plain engine first decodes
---num-prompts random token-id prompts greedily (EOS ignored) and its outputs are recorded; then, per --alpha, the
-speculating engine's proposer (spec/replay.py) proposes each sequence's recorded continuation from its current
-position, each draft the true token with probability alpha, so a draft is accepted with probability alpha given the
-ones before it were. Per alpha: the median TPOT of plain and speculative decoding (alternating rounds, same prompts),
-their ratio, the acceptance counters, and whether the outputs equal the recorded ones. Both engines are warmed up
-first (CUDA graphs are captured at engine start; Triton compiles each eager shape on first use), and on CUDA each
-request starts and ends on a synchronized device.
+Replay mode (`--proposer replay`; any device, random weights of a real shape): per batch size B of --batches
+(default: --num-prompts), the plain engine first decodes B random token-id prompts together, greedily (EOS ignored),
+and its outputs are recorded; then, per --alpha, the speculating engine's proposer (spec/replay.py) proposes each
+sequence's recorded continuation from its current position, each draft the true token with probability alpha, so a
+draft is accepted with probability alpha given the ones before it were. Per batch and alpha: the median TPOT of plain
+and speculative decoding (alternating rounds, same prompts, the B requests decoded together), their ratio, the
+acceptance counters, the tokens a verified row appends (measured mean accepted length beside the analytic
+(1 - alpha^(k+1)) / (1 - alpha)), how many verify steps replayed a CUDA graph, and whether the outputs equal the
+recorded ones. Both engines are warmed up first (CUDA graphs are captured at engine start; Triton compiles each eager
+shape on first use), and on CUDA each batch starts and ends on a synchronized device.
 
-    .venv/bin/python -m bench.spec_decode --device cuda --model random:llama3-8b --proposer replay --alpha 0.8 0 \\
-        --k 4 --out bench/results/spec_decode_h200_$(date +%Y%m%d).json
-    .venv/bin/python -m bench.spec_decode --device cpu --model random:tiny-llama --proposer replay --alpha 0.8 0 --k 4
+    .venv/bin/python -m bench.spec_decode --device cuda --model random:llama3-8b --proposer replay \\
+        --alpha 0.8 0 --k 4 --batches 1 8 64 --out bench/results/spec_decode_h200_$(date +%Y%m%d).json
+    .venv/bin/python -m bench.spec_decode --device cpu --model random:tiny-llama --proposer replay \\
+        --alpha 0.8 0 --k 4 --rounds 1 --batches 1 2
 
-NOTE: verify steps run eager, not in the decode CUDA graphs. The graphs are captured per batch-size bucket for rows
-of one token each (cuda_graphs.py); a drafted row has 1 + d tokens, d changing per sequence and step as adaptive k
-moves, and takes the multi-token attention path, so graphs for it would be one per (batch, d) mix; none is built.
-A drafted step therefore pays an eager step's host launch cost (and is read at once, not overlapped), which its
-accepted tokens must win back. Steps in which nothing is drafted replay the graphs and overlap as a plain engine's.
+On CUDA a step with drafts whose rows are all decodes (drafted or not) replays a verify graph
+(cuda_graphs.VerifyGraphs: k + 1 query tokens a row, short rows padded), so a drafted step costs a replay, not an
+eager step's host launches; it is still read at once, not overlapped. Steps in which nothing is drafted replay the
+decode graphs and overlap as a plain engine's.
 
 In bf16 a verify row's logits differ in rounding from the plain step's, so at a near-tie the speculative output may
 leave the recorded one (random weights make near-ties common); from there the replay proposer has no continuation
@@ -138,7 +140,7 @@ def prompts(engine: Engine) -> list[list[int]]:
             for code, ask in PASSAGES]
 
 
-CUDA_NUM_PAGES = 512  # 8,192 tokens a pool: batch 1 needs 128 + 256
+CUDA_NUM_PAGES = 512  # 8,192 tokens a pool at least: batch 1 needs 128 + 256 (larger batches get more)
 
 
 def _sync(engine: Engine) -> None:
@@ -149,19 +151,29 @@ def _sync(engine: Engine) -> None:
 def timed_request(engine: Engine, request_id: str, prompt: list[int],
                   params: SamplingParams) -> tuple[list[int], list[float]]:
     """Run one request alone → its output tokens and the time each reached the host (perf_counter seconds)."""
-    _sync(engine)  # the previous request's device work is not this one's
-    engine.add_request(request_id, prompt, params)
-    tokens: list[int] = []
-    stamps: list[float] = []
+    return timed_batch(engine, request_id, [prompt], params)[0]
+
+
+def timed_batch(engine: Engine, label: str, batch: list[list[int]],
+                params: SamplingParams) -> list[tuple[list[int], list[float]]]:
+    """Run these prompts together (added at once, decoded in the same steps) → per prompt its output tokens and the
+    time each reached the host (perf_counter seconds)."""
+    _sync(engine)  # the previous requests' device work is not these ones'
+    ids = [label if len(batch) == 1 else f"{label}-{i}" for i in range(len(batch))]
+    for request_id, prompt in zip(ids, batch):
+        engine.add_request(request_id, prompt, params)
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in ids}
+    stamps: dict[str, list[float]] = {request_id: [] for request_id in ids}
     while engine.has_unfinished():
         outputs = engine.step() or engine.flush()
         now = time.perf_counter()  # the step's tokens were read to the host: its device work is done
         for out in outputs:
-            tokens += out.token_ids
-            stamps += [now] * len(out.token_ids)
+            tokens[out.request_id] += out.token_ids
+            stamps[out.request_id] += [now] * len(out.token_ids)
     _sync(engine)
-    engine.release_finished(request_id)
-    return tokens, stamps
+    for request_id in ids:
+        engine.release_finished(request_id)
+    return [(tokens[request_id], stamps[request_id]) for request_id in ids]
 
 
 def tpot(stamps: list[float], num_tokens: int | None = None) -> float:
@@ -179,20 +191,22 @@ def _counters(engine: Engine) -> dict:
 
 
 def _rounds(engines: dict[str, Engine], batch: list[list[int]], params: SamplingParams, rounds: int,
-            label: str) -> tuple[dict[str, list[list[float]]], dict[str, dict[int, list[int]]]]:
-    """Alternating rounds of every prompt on each engine (metrics reset first) → per engine the token stamps of every
-    request run, and the last output of each prompt."""
+            label: str, together: bool = False) -> tuple[dict[str, list[list[float]]], dict[str, dict[int, list[int]]]]:
+    """Alternating rounds of every prompt on each engine (metrics reset first), one request at a time or, together,
+    all of them at once → per engine the token stamps of every request run, and the last output of each prompt."""
     for engine in engines.values():
         engine.metrics = type(engine.metrics)()
     stamps: dict[str, list[list[float]]] = {name: [] for name in engines}
     outputs: dict[str, dict[int, list[int]]] = {name: {} for name in engines}
+    groups = [list(range(len(batch)))] if together else [[i] for i in range(len(batch))]
     for round_index in range(rounds):
         order = list(engines) if round_index % 2 == 0 else list(reversed(engines))
-        for i, prompt in enumerate(batch):
+        for group in groups:
             for name in order:
-                tokens, times = timed_request(engines[name], f"{label}{round_index}-{i}", prompt, params)
-                stamps[name].append(times)
-                outputs[name][i] = tokens
+                runs = timed_batch(engines[name], f"{label}{round_index}-{group[0]}", [batch[i] for i in group], params)
+                for i, (tokens, times) in zip(group, runs):
+                    stamps[name].append(times)
+                    outputs[name][i] = tokens
         print(f"{label} round {round_index}: " + ", ".join(
             f"{n} {statistics.median(tpot(t) for t in runs) * 1e3:.2f} ms" for n, runs in stamps.items()), flush=True)
     return stamps, outputs
@@ -219,14 +233,23 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def expected_tokens_per_verify(alpha: float, k: int) -> float:
+    """Tokens a verified row of k drafts appends when each draft is accepted with probability alpha given the ones
+    before it were: the accepted drafts plus the target's own token, sum of alpha^j for j = 0..k."""
+    return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
 def replay_alpha(engines: dict[str, Engine], batch: list[list[int]], recorded: list[list[int]],
                  params: SamplingParams, alpha: float, rounds: int, seed: int) -> dict:
-    """Replay mode at one alpha: plain against speculative TPOT, the acceptance counters, identity to the record."""
+    """Replay mode at one alpha, the batch's prompts decoded together: plain against speculative TPOT, the acceptance
+    counters beside their analytic expectation, the verify graphs' replays, identity to the record."""
     spec = engines["spec"]
     proposer = ReplayProposer({tuple(p): out for p, out in zip(batch, recorded)}, alpha,
                               spec.model_config.vocab_size, seed)
     spec.speculator.proposer = proposer
-    stamps, outputs = _rounds(engines, batch, params, rounds, f"a{alpha}-")
+    replays_before = spec.verify_graphs.num_replays if spec.verify_graphs is not None else 0
+    stamps, outputs = _rounds(engines, batch, params, rounds, f"b{len(batch)}-a{alpha}-", together=True)
+    counters = _counters(spec)
     times = {name: [tpot(t) for t in runs] for name, runs in stamps.items()}
     medians = {name: statistics.median(t) for name, t in times.items()}
     common = [_common_prefix(outputs["spec"][i], recorded[i]) for i in range(len(batch))]
@@ -241,7 +264,13 @@ def replay_alpha(engines: dict[str, Engine], batch: list[list[int]], recorded: l
         "median_tpot_ms": {name: round(t * 1e3, 3) for name, t in medians.items()},
         "tpot_ratio": round(medians["spec"] / medians["plain"], 3),
         "median_spec_tpot_common_prefix_ms": round(statistics.median(prefix_tpot) * 1e3, 3),
-        "spec_decode": _counters(spec),
+        "spec_decode": counters,
+        # NOTE: the analytic value assumes k drafts a row; adaptive k (spec/adaptive.py) and max_tokens give fewer
+        "tokens_per_verify": {"expected": round(expected_tokens_per_verify(alpha, spec.config.num_speculative_tokens),
+                                                3),
+                              "measured": counters["mean_accepted_length"]},
+        "verify_graph_replays": (None if spec.verify_graphs is None
+                                 else spec.verify_graphs.num_replays - replays_before),
         "replay": {"num_draft_tokens_proposed": proposer.num_proposed,
                    "true_draft_rate": round(proposer.num_true / max(proposer.num_proposed, 1), 3),
                    "num_diverged_proposals": proposer.num_diverged},
@@ -254,17 +283,26 @@ def random_prompts(num: int, num_tokens: int, vocab_size: int, seed: int) -> lis
 
 
 def run_replay(args: argparse.Namespace, engines: dict[str, Engine]) -> dict:
-    """Record the plain engine's greedy outputs (its warm-up), warm the speculative engine up, then each alpha."""
+    """Per batch size: record the plain engine's greedy outputs of that many prompts decoded together (its warm-up),
+    warm the speculative engine up on them, then each alpha. The batches' prompts are the first of one list."""
     plain, spec = engines["plain"], engines["spec"]
-    batch = random_prompts(args.num_prompts, args.prompt_tokens, plain.model_config.vocab_size, args.seed)
+    prompts = random_prompts(max(args.batches), args.prompt_tokens, plain.model_config.vocab_size, args.seed)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    recorded = [timed_request(plain, f"record-{i}", prompt, params)[0] for i, prompt in enumerate(batch)]
-    warmup = ReplayProposer({tuple(batch[0]): recorded[0]}, 0.5, plain.model_config.vocab_size, args.seed)
-    spec.speculator.proposer = warmup  # partial acceptance: drafted rows of every length up to k, then plain steps
-    timed_request(spec, "warmup", batch[0], params)
-    return {"num_prompts": len(batch), "prompt_tokens": args.prompt_tokens,
+    by_batch = {}
+    for size in args.batches:
+        batch = prompts[:size]
+        # NOTE: recorded per batch size: a bf16 near-tie may decode differently in another batch's GEMM shapes
+        recorded = [tokens for tokens, _ in timed_batch(plain, f"record{size}", batch, params)]
+        warmup = ReplayProposer({tuple(p): out for p, out in zip(batch, recorded)}, 0.5, plain.model_config.vocab_size,
+                                args.seed)
+        spec.speculator.proposer = warmup  # partial acceptance: drafted rows of every length up to k, then plain steps
+        timed_batch(spec, f"warmup{size}", batch, params)
+        by_batch[str(size)] = {
+            "num_prompts": size,
             "alphas": {str(alpha): replay_alpha(engines, batch, recorded, params, alpha, args.rounds, args.seed)
                        for alpha in args.alpha}}
+    return {"prompt_tokens": args.prompt_tokens, "batches": by_batch,
+            "verify_graph_buckets": None if spec.verify_graphs is None else spec.verify_graphs.buckets}
 
 
 def run_ngram(args: argparse.Namespace, engines: dict[str, Engine]) -> dict:
@@ -281,17 +319,22 @@ def run_ngram(args: argparse.Namespace, engines: dict[str, Engine]) -> dict:
 
 
 def build_engines(args: argparse.Namespace) -> dict[str, Engine]:
-    """A plain engine and a speculating one (n-gram proposer; replay mode swaps it) on the same loaded weights."""
+    """A plain engine and a speculating one (n-gram proposer; replay mode swaps it) on the same loaded weights, each
+    running the largest batch at once (and speculating in it)."""
+    largest = max(args.batches) if args.proposer == "replay" else 1
     base: dict = dict(model=args.model, device=args.device, num_pages=args.num_pages)
     if args.device == "cpu":
         base["dtype"] = "float32"
     else:  # a small KV pool: two engines share the GPU, each sized from free memory would take it all
-        base.update(num_pages=args.num_pages or CUDA_NUM_PAGES, max_num_seqs=8)
+        per_seq = -(-(args.prompt_tokens + (args.max_tokens or 0) + args.k + 1) // EngineConfig.page_size) + 1
+        base.update(num_pages=args.num_pages or max(CUDA_NUM_PAGES, largest * per_seq + 1),
+                    max_num_seqs=max(8, largest))
     config = EngineConfig(**base)
     loaded = load_model(args.model, dtype=config.resolved_dtype(), device=config.resolved_device())
     spec_name = "ngram" if args.proposer == "ngram" else "spec"
     engines = {"plain": Engine(config, loaded=loaded),
-               spec_name: Engine(EngineConfig(**base, speculative_method="ngram", num_speculative_tokens=args.k),
+               spec_name: Engine(EngineConfig(**base, speculative_method="ngram", num_speculative_tokens=args.k,
+                                              speculative_max_batch_size=max(largest, 1)),
                                  loaded=loaded)}
     loaded.state_dict.clear()  # each engine holds its own copy of the weights
     if args.device == "cuda":
@@ -310,6 +353,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--alpha", type=float, nargs="+", default=[0.8, 0.0],
                         help="replay: the probability that a draft is the true token, one run each")
     parser.add_argument("--num-prompts", type=int, default=4, help="replay: random token-id prompts")
+    parser.add_argument("--batches", type=int, nargs="+", default=None,
+                        help="replay: batch sizes, each that many prompts decoded together (default: --num-prompts)")
     parser.add_argument("--prompt-tokens", type=int, default=128, help="replay: tokens per prompt")
     parser.add_argument("--num-pages", type=int, default=None,
                         help=f"KV pages per engine (default: {CUDA_NUM_PAGES} on cuda, the engine's own on the cpu)")
@@ -322,6 +367,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.max_tokens = 256 if is_replay else 160
     if args.rounds is None:
         args.rounds = 2 if is_replay else 5
+    if args.batches is None:
+        args.batches = [args.num_prompts]
+    if min(args.batches) < 1:
+        parser.error("--batches must be >= 1")
     return args
 
 
@@ -330,6 +379,13 @@ def _commit() -> str:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
         return "unknown"
+
+
+def _without_tpot_lists(value):
+    """The report for the terminal: every per-request TPOT list left out (the --out file keeps them)."""
+    if isinstance(value, dict):
+        return {k: _without_tpot_lists(v) for k, v in value.items() if k != "tpot_ms"}
+    return value
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -347,8 +403,7 @@ def main(argv: list[str] | None = None) -> dict:
         "overlap": engines["plain"].is_overlapped, "cuda_graphs": engines["plain"].graphs is not None,
     }
     result |= run_replay(args, engines) if args.proposer == "replay" else run_ngram(args, engines)
-    print(json.dumps({k: ({kk: vv for kk, vv in v.items() if kk != "tpot_ms"} if isinstance(v, dict) else v)
-                      for k, v in result.items()}, indent=1))
+    print(json.dumps(_without_tpot_lists(result), indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return result

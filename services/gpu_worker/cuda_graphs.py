@@ -12,8 +12,17 @@ of greedy tokens (argmax over each row's logits); it is also where a step sample
 tokens for the next replay to read. So a batch-1 greedy step is one copy in, one replay, one copy out.
 Padding rows decode token 0 at position 0 into slot 0 (page 0 is reserved padding, never read as real KV).
 Steps with a prefill chunk, more sequences than the largest bucket, or a sequence longer than W pages run eager.
+
+Speculative verify steps (VerifyGraphs): every row a decode with d ≤ k drafts, captured per bucket of rows with
+Q = k + 1 query tokens each, so one graph serves every mix of draft counts. A row is padded to Q tokens (token 0 into
+slot 0, positions continuing after its real ones); its real tokens attend causally and never see the padding, whose
+outputs, like the padding rows', are not gathered. The step's real logit rows are gathered after the replay in the
+eager path's order (verify_layout).
 """
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,6 +35,22 @@ from services.gpu_worker.model.llama import LlamaForCausalLM
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 MAX_GRAPH_CONTEXT = 8192  # tokens: a longer sequence's decode step runs eager
+
+
+def capture_buckets(buckets: list[int], run: Callable[[int], torch.Tensor], graphs: dict[int, torch.cuda.CUDAGraph],
+                    outputs: dict[int, torch.Tensor], pool: tuple | None = None) -> tuple:
+    """Capture run(bucket) for every bucket, largest first, into one memory pool (a new one unless given), filling
+    graphs and outputs (each bucket's static output) → the pool."""
+    for bucket in reversed(buckets):
+        run(bucket)  # warm-up: compiles the Triton kernels for this shape outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs[bucket] = run(bucket)
+        pool = graph.pool()
+        graphs[bucket] = graph
+    torch.cuda.synchronize()
+    return pool
 
 
 class DecodeGraphs:
@@ -77,16 +102,7 @@ class DecodeGraphs:
 
     def capture(self) -> None:
         """Capture every bucket, largest first, sharing one memory pool (inputs are the padding rows)."""
-        pool = None
-        for bucket in reversed(self.buckets):
-            self._run(bucket)  # warm-up: compiles the Triton kernels for this shape outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[bucket] = self._run(bucket)
-            pool = graph.pool()
-            self.graphs[bucket] = graph
-        torch.cuda.synchronize()
+        self.pool = capture_buckets(self.buckets, self._run, self.graphs, self.logits)  # VerifyGraphs shares it
 
     def try_forward(self, items: list[ScheduledItem], pending: list[tuple[int, int]] = (),
                     prev_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -136,3 +152,138 @@ class DecodeGraphs:
         self.graphs[bucket].replay()
         self.num_replays += 1
         return self.logits[bucket][:num_seqs], self.tokens[:num_seqs]
+
+
+@dataclass
+class VerifyLayout:
+    """The host side of one verify replay: n rows of Q tokens each (n ≤ bucket; rows past n are padding)."""
+
+    input_ids: list[int]  # [n * Q]: a row's last token, its drafts, then token 0
+    positions: list[int]  # [n * Q]: first_position .. first_position + Q - 1
+    slots: list[int]  # [n * Q]: the real tokens' cache slots; 0 (the reserved page) for padding
+    seq_lens: list[int]  # [n]: first_position + Q
+    pages: list[list[int]]  # [n] each row's page ids (its page-table row, before zero padding)
+    logit_rows: list[int]  # rows of the [bucket * Q] logits the eager path would return, in its order
+
+
+def fits_verify(items: list[ScheduledItem], q: int, max_batch: int, width: int, page_size: int) -> bool:
+    """Whether a step can replay a verify graph of Q = q tokens a row: every item a sampling decode (its last token
+    plus at most q - 1 drafts, none still pending on the device), at most max_batch of them, each row's Q positions
+    within W pages (the kernel reads a padding query's keys through the page table too)."""
+    if not items or len(items) > max_batch:
+        return False
+    for it in items:
+        seq = it.seq
+        if not (it.is_sampling and seq.params.max_tokens > 0 and it.num_new_tokens == 1 + it.num_draft_tokens
+                and it.num_draft_tokens < q and not seq.num_pending and len(seq.page_ids) <= width
+                and seq.num_computed + q <= width * page_size):
+            return False
+    return True
+
+
+def verify_layout(items: list[ScheduledItem], q: int, page_size: int) -> VerifyLayout:
+    """Inputs of a verify step padded to q tokens a row (items passed fits_verify). A row's real tokens sit where
+    the eager path puts them (model_runner.forward); its padding writes K/V into slot 0, so no real page changes,
+    and sits after the real tokens, so causal attention hides it from them."""
+    out = VerifyLayout([], [], [], [], [], [])
+    for i, it in enumerate(items):
+        seq, start, d = it.seq, it.seq.num_computed, it.num_draft_tokens
+        out.input_ids += [seq.token_ids[start], *seq.draft_token_ids[:d]] + [0] * (q - 1 - d)
+        out.positions += range(start, start + q)
+        out.slots += [seq.page_ids[p // page_size] * page_size + p % page_size for p in range(start, start + 1 + d)]
+        out.slots += [0] * (q - 1 - d)
+        out.seq_lens.append(start + q)
+        out.pages.append(seq.page_ids)
+        out.logit_rows += range(i * q, i * q + 1 + d)  # its last token's row, then its drafts'
+    return out
+
+
+class VerifyGraphs:
+    """CUDA graphs of speculative verify steps, one per batch-size bucket, Q = k + 1 tokens a row. Inputs travel in
+    one host→device copy of a pinned int32 buffer laid out as
+
+        [ input_ids | positions | slot_mapping | logit_rows ]  (max_bucket × Q each)
+        [ seq_lens ]  (max_bucket)  [ page_table: max_bucket × W ]
+
+    The graph runs the forward and the LM head over all bucket × Q rows; the real rows are gathered after the
+    replay (an index_select outside the graph: their number changes with the drafts)."""
+
+    def __init__(self, model: LlamaForCausalLM, kv: KVCache, backend: AttentionBackend, max_batch: int,
+                 max_seq_len: int, num_speculative_tokens: int) -> None:
+        self.model, self.kv, self.backend, self.page_size = model, kv, backend, kv.page_size
+        self.q = q = num_speculative_tokens + 1
+        top = next((b for b in BUCKETS if b >= max_batch), BUCKETS[-1])
+        self.buckets = [b for b in BUCKETS if b <= top]
+        self.max_batch = bm = self.buckets[-1]
+        self.width = -(-min(max_seq_len, MAX_GRAPH_CONTEXT) // self.page_size)  # W: page-table columns
+        tm = bm * q  # token rows of the largest bucket
+        self.host = torch.zeros(4 * tm + bm + bm * self.width, dtype=torch.int32)
+        if torch.cuda.is_available():
+            self.host = self.host.pin_memory()
+        h = self.host.numpy()
+        h[tm: 2 * tm] = np.tile(np.arange(q), bm)  # padding rows: positions 0..Q-1, seq_len Q
+        h[4 * tm: 4 * tm + bm] = q
+        # NOTE: one staging buffer suffices: a step with drafts is never overlapped (engine.step reads it at once);
+        # the event only guards against a replay whose copy is still queued
+        self.copied = torch.cuda.Event()
+        self.dev = self.host.to(kv.k.device)
+        self.input_ids, self.positions = self.dev[:tm], self.dev[tm: 2 * tm]  # [tm] int32 each
+        self.slots, self.logit_rows = self.dev[2 * tm: 3 * tm], self.dev[3 * tm: 4 * tm]
+        self.seq_lens = self.dev[4 * tm: 4 * tm + bm]  # [bm] int32
+        self.page_table = self.dev[4 * tm + bm:].view(bm, self.width)  # [bm, W] int32
+        self.query_start = torch.arange(0, tm + 1, q, dtype=torch.int32, device=kv.k.device)  # [bm + 1]
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}  # bucket → static [bucket * Q, vocab] fp32 output
+        self.num_replays = 0
+
+    def _meta(self, bucket: int) -> AttentionMetadata:
+        # NOTE: the host lists give the static shape only (max_query_len Q > 1, so no leading single-token rows:
+        # forward_rope runs rope_kv_write_ + extend_attention, whose grid depends on Q and the bucket alone)
+        q = self.q
+        return AttentionMetadata(
+            slot_mapping=self.slots[: bucket * q], query_start=self.query_start[: bucket + 1],
+            seq_lens=self.seq_lens[:bucket], page_table=self.page_table[:bucket],
+            query_start_host=list(range(0, bucket * q + 1, q)), seq_lens_host=[q] * bucket, max_query_len=q,
+            max_seq_len=self.width * self.page_size)
+
+    def _run(self, bucket: int) -> torch.Tensor:
+        n = bucket * self.q
+        hidden = self.model(self.input_ids[:n], self.positions[:n], self.kv, self._meta(bucket), self.backend)
+        return self.model.logits(hidden)  # [bucket * Q, vocab] fp32
+
+    def capture(self, pool: tuple | None = None) -> None:
+        """Capture every bucket, largest first, into one memory pool (the decode graphs' when given)."""
+        capture_buckets(self.buckets, self._run, self.graphs, self.logits, pool)
+
+    def try_forward(self, items: list[ScheduledItem]) -> torch.Tensor | None:
+        """Replay the graph for a verify step → the logits of its sampling rows [sum of 1 + num_draft_tokens, vocab]
+        fp32 in the eager path's order; None when the step must run eager."""
+        q, bm, width = self.q, self.max_batch, self.width
+        if not fits_verify(items, q, bm, width, self.page_size):
+            return None
+        n = len(items)
+        bucket = next(b for b in self.buckets if b >= n)
+        layout = verify_layout(items, q, self.page_size)
+        tm, real, padded = bm * q, n * q, bucket * q
+        self.copied.synchronize()  # the last copy out of the staging buffer is done (unrecorded: at once)
+        h = self.host.numpy()
+        h[:real] = layout.input_ids
+        h[real:padded] = 0
+        h[tm: tm + real] = layout.positions
+        h[tm + real: tm + padded] = np.tile(np.arange(q), bucket - n)
+        h[2 * tm: 2 * tm + real] = layout.slots
+        h[2 * tm + real: 2 * tm + padded] = 0
+        h[3 * tm: 3 * tm + len(layout.logit_rows)] = layout.logit_rows
+        h[4 * tm: 4 * tm + n] = layout.seq_lens
+        h[4 * tm + n: 4 * tm + bucket] = q
+        table = h[4 * tm + bm: 4 * tm + bm + bucket * width].reshape(bucket, width)
+        for i, pages in enumerate(layout.pages):
+            table[i, : len(pages)] = pages
+            table[i, len(pages):] = 0  # a padding query's keys past the row's pages: page 0, not a stale page
+        table[n:] = 0
+        num_words = 4 * tm + bm + bucket * width
+        self.dev[:num_words].copy_(self.host[:num_words], non_blocking=True)
+        self.copied.record()
+        self.graphs[bucket].replay()
+        self.num_replays += 1
+        return self.logits[bucket].index_select(0, self.logit_rows[: len(layout.logit_rows)])

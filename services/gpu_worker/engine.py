@@ -147,6 +147,7 @@ class Engine:
     kv = property(lambda self: self.runner.kv)
     backend = property(lambda self: self.runner.backend)
     graphs = property(lambda self: self.runner.graphs)
+    verify_graphs = property(lambda self: self.runner.verify_graphs)
     batching = property(lambda self: self.runner.batching)
     num_pages = property(lambda self: self.runner.num_pages)
     weights = property(lambda self: self.runner.weights)
@@ -158,7 +159,7 @@ class Engine:
         """Run a few steps of made-up requests so Triton compiles the eager path's kernels now rather than inside the
         first requests served (each compile takes a second or more on the H200; the CUDA graphs' capture already
         compiled the decode steps'). Prefill chunks above and below the split-K limit, mixed steps, decode steps;
-        then the prefix cache and its events, the step count and the graph replay count are as before. → seconds."""
+        then the prefix cache and its events, the step count and the graph replay counts are as before. → seconds."""
         start = time.perf_counter()
         if self.max_seq_len < 16:  # a pool too small for the made-up requests
             return 0.0
@@ -174,6 +175,8 @@ class Engine:
         self.metrics = EngineMetricsRecorder()
         if self.graphs is not None:
             self.graphs.num_replays = 0
+        if self.verify_graphs is not None:
+            self.verify_graphs.num_replays = 0
         return time.perf_counter() - start
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

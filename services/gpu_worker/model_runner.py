@@ -1,5 +1,5 @@
-"""The model runner: a model on its device with its KV pool, attention backend and decode CUDA graphs, and the
-forward pass of one scheduled step.
+"""The model runner: a model on its device with its KV pool, attention backend and CUDA graphs (decode, and
+speculative verify), and the forward pass of one scheduled step.
 
 The engine (engine.py) owns the requests' lifecycle: admission, the prefix cache, sampling, stop checks, PD holds.
 It hands the runner a StepPlan and gets back the logits of the rows it samples. The runner knows nothing of
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.gpu_worker.attention import AttentionMetadata, make_backend
-from services.gpu_worker.batch_policy import StepPlan
+from services.gpu_worker.batch_policy import ScheduledItem, StepPlan
 from services.gpu_worker.engine_config import BatchingLimits, EngineConfig
 from services.gpu_worker.kv_cache import KVCache, select_pages
 from services.gpu_worker.model.loader import LoadedModel, bundled_gguf_path, load_model
@@ -32,6 +32,26 @@ if TYPE_CHECKING:
     from services.gpu_worker.parallel.state import TensorParallelGroup
 
 TABLE_WIDTH_MULTIPLE = 16  # an eager step's page table is this many pages wide, or a multiple (Triton's specialization)
+
+
+def eager_inputs(items: list[ScheduledItem], page_size: int,
+                 ) -> tuple[list[int], list[int], list[int], list[int], list[int], list[int]]:
+    """An eager step's host inputs: input ids, positions and cache slots of every new token, query_start [B + 1],
+    seq_lens [B], and the rows whose logits the step returns (a speculative row: its last token's, then its drafts')."""
+    input_ids, positions, slots, query_start, seq_lens = [], [], [], [0], []
+    logit_rows = []
+    for item in items:
+        seq, start = item.seq, item.seq.num_computed
+        end = start + item.num_new_tokens
+        input_ids.extend(seq.token_ids[start:end - item.num_draft_tokens])
+        input_ids.extend(seq.draft_token_ids[:item.num_draft_tokens])  # speculative: scored after the last token
+        positions.extend(range(start, end))
+        slots.extend(seq.page_ids[p // page_size] * page_size + p % page_size for p in range(start, end))
+        query_start.append(query_start[-1] + item.num_new_tokens)
+        seq_lens.append(end)
+        if item.is_sampling and seq.params.max_tokens > 0:
+            logit_rows.extend(range(query_start[-1] - 1 - item.num_draft_tokens, query_start[-1]))
+    return input_ids, positions, slots, query_start, seq_lens, logit_rows
 
 
 class ModelRunner:
@@ -83,6 +103,7 @@ class ModelRunner:
         # positions and slots of eager steps: int32 for the Triton kernels, as in the CUDA graphs' buffers, so a mixed
         # step's decodes reuse the graphs' compiles; torch's index_copy_ (the torch backend) takes int64 only
         self._index_dtype = torch.int32 if self.backend.name == "triton" else torch.long
+        self.verify_graphs = None  # speculative verify steps' graphs (cuda_graphs.VerifyGraphs), beside the decode ones
         self.graphs = self._setup_cuda_path(config)
 
     def _join_tensor_parallel(self, config: EngineConfig) -> TensorParallelGroup | None:
@@ -131,7 +152,7 @@ class ModelRunner:
 
     def _setup_cuda_path(self, config: EngineConfig):
         """With the Triton backend: fused kernels in the model (quantized layers run their own GEMMs inside it:
-        model/fused.py), and decode CUDA graphs when enabled."""
+        model/fused.py), and decode CUDA graphs when enabled (with speculation, verify graphs too)."""
         gemv_max_tokens = config.resolved_gemv_max_tokens(self.backend.name)
         if self.backend.name != "triton":
             if gemv_max_tokens:
@@ -141,40 +162,38 @@ class ModelRunner:
         self.model.gemv_max_tokens = gemv_max_tokens  # dense projections and the LM head; quantized ones never
         if not config.enable_cuda_graphs or self.device.type != "cuda":
             return None
-        from services.gpu_worker.cuda_graphs import DecodeGraphs
+        from services.gpu_worker.cuda_graphs import DecodeGraphs, VerifyGraphs
 
         graphs = DecodeGraphs(self.model, self.kv, self.backend, self.batching.max_num_seqs, self.max_seq_len)
         graphs.capture()
+        if config.speculative_method is not None:  # drafts go to decodes only while this many sequences decode
+            self.verify_graphs = VerifyGraphs(
+                self.model, self.kv, self.backend, min(config.speculative_max_batch_size, self.batching.max_num_seqs),
+                self.max_seq_len, config.num_speculative_tokens)
+            self.verify_graphs.capture(graphs.pool)
         return graphs
 
     def forward(self, plan: StepPlan, previous_tokens: Callable[[], torch.Tensor],
                 ) -> tuple[torch.Tensor, torch.Tensor | None, PromptLogprobBatch | None]:
         """Run the model over every scheduled chunk → logits of sampling chunks [B_s, V] fp32 (a chunk with drafts has
-        1 + num_draft_tokens rows, in order; such a step runs eager), their argmax [B_s] when a decode graph computed
-        it (else None), and the prompt logprobs the chunks give (eager steps only: a replayed step is decodes and last
-        prompt tokens, whose logits are no prompt token's).
+        1 + num_draft_tokens rows, in order; such a step replays a verify graph when every chunk is a decode, else
+        runs eager), their argmax [B_s] when a decode graph computed it (else None), and the prompt logprobs the
+        chunks give (eager steps only: a replayed step is decodes and last prompt tokens, whose logits are no prompt
+        token's).
 
         previous_tokens(): the last launched step's sampled tokens on the device, which a chunk's last input takes
         where its sequence has a placeholder (overlap mode: the host has not read them yet)."""
+        if self.verify_graphs is not None and any(item.num_draft_tokens for item in plan.items):
+            verified = self.verify_graphs.try_forward(plan.items)
+            if verified is not None:
+                return verified, None, None
         if self.graphs is not None:
             pending = [(i, item.seq.pending_row) for i, item in enumerate(plan.items) if item.seq.num_pending]
             replayed = self.graphs.try_forward(plan.items, pending, previous_tokens() if pending else None)
             if replayed is not None:
                 return *replayed, None
-        input_ids, positions, slots, query_start, seq_lens = [], [], [], [0], []
-        logit_rows = []
-        page_size = self.config.page_size
-        for item in plan.items:
-            seq, start = item.seq, item.seq.num_computed
-            end = start + item.num_new_tokens
-            input_ids.extend(seq.token_ids[start:end - item.num_draft_tokens])
-            input_ids.extend(seq.draft_token_ids[:item.num_draft_tokens])  # speculative: scored after the last token
-            positions.extend(range(start, end))
-            slots.extend(seq.page_ids[p // page_size] * page_size + p % page_size for p in range(start, end))
-            query_start.append(query_start[-1] + item.num_new_tokens)
-            seq_lens.append(end)
-            if item.is_sampling and seq.params.max_tokens > 0:  # a speculative row: its last token's and drafts'
-                logit_rows.extend(range(query_start[-1] - 1 - item.num_draft_tokens, query_start[-1]))
+        input_ids, positions, slots, query_start, seq_lens, logit_rows = eager_inputs(plan.items,
+                                                                                      self.config.page_size)
         # the table's width rounded up to 16 pages: its row stride, a kernel argument, then always divides by 16, and
         # Triton compiles the kernels once instead of once more each time the widest sequence crosses a multiple
         widest = max(len(item.seq.page_ids) for item in plan.items)

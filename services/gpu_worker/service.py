@@ -84,7 +84,8 @@ class WorkerService(Actor):
                  allocator_idle_gib=round(engine.allocator_idle_bytes / 2**30, 2),
                  incarnation=self.incarnation,
                  max_num_batched_tokens=engine.policy.max_num_batched_tokens,
-                 max_num_seqs=engine.policy.max_num_seqs, batching=engine.batching.reason)
+                 max_num_seqs=engine.policy.max_num_seqs, batching=engine.batching.reason,
+                 cuda_graph_buckets=_buckets(engine.graphs), verify_graph_buckets=_buckets(engine.verify_graphs))
 
     async def _load_engine(self) -> Engine | LockstepEngine:
         """Build the engine in a thread, printing a progress line on stderr until it is ready.
@@ -249,3 +250,8 @@ def write_health_file(path: str, state: str) -> None:
     with open(tmp, "w") as f:
         f.write(state)
     os.replace(tmp, path)
+
+
+def _buckets(graphs: object) -> list[int] | None:
+    """The batch sizes a captured graph set (cuda_graphs.py) replays, for the ready log; None when none was built."""
+    return None if graphs is None else list(graphs.buckets)

@@ -16,9 +16,10 @@ def test_replay_mode_reports_exact_acceptance_at_alpha_one_and_zero(tmp_path: Pa
                                "--alpha", "1", "0", "--k", "4", "--num-prompts", "2", "--prompt-tokens", "16",
                                "--max-tokens", "24", "--rounds", "1", "--num-pages", "64", "--out", str(out)])
     assert json.loads(out.read_text()) == result
-    assert (result["device"], result["gpu"], result["k"], result["num_prompts"]) == ("cpu", None, 4, 2)
-    assert result["commit"] and result["torch"]
-    every, none = result["alphas"]["1.0"], result["alphas"]["0.0"]
+    assert (result["device"], result["gpu"], result["k"], list(result["batches"])) == ("cpu", None, 4, ["2"])
+    assert result["commit"] and result["torch"] and result["verify_graph_buckets"] is None  # no CUDA graphs
+    assert result["batches"]["2"]["num_prompts"] == 2  # --batches defaults to --num-prompts
+    every, none = result["batches"]["2"]["alphas"]["1.0"], result["batches"]["2"]["alphas"]["0.0"]
     for run in (every, none):
         assert run["is_identical"] and run["is_plain_identical"]
         assert run["output_tokens"] == [24, 24] and run["common_prefix_tokens"] == [24, 24]
@@ -29,6 +30,9 @@ def test_replay_mode_reports_exact_acceptance_at_alpha_one_and_zero(tmp_path: Pa
     assert every["spec_decode"]["acceptance_rate"] == 1.0 and every["replay"]["true_draft_rate"] == 1.0
     assert every["spec_decode"]["num_accepted_tokens"] == every["spec_decode"]["num_draft_tokens"] > 0
     assert every["spec_decode"]["mean_accepted_length"] > 4  # k + 1 per verified row, fewer only near max_tokens
+    assert every["tokens_per_verify"] == {"expected": 5.0, "measured": every["spec_decode"]["mean_accepted_length"]}
+    assert none["tokens_per_verify"] == {"expected": 1.0, "measured": 1.0}
+    assert every["verify_graph_replays"] is None and none["verify_graph_replays"] is None
     assert none["spec_decode"]["num_draft_tokens"] > 0 and none["spec_decode"]["num_accepted_tokens"] == 0
     assert none["replay"]["true_draft_rate"] == 0.0
 
@@ -38,3 +42,21 @@ def test_tpot_leaves_prefill_out_and_may_stop_at_a_prefix() -> None:
     assert spec_decode.tpot(stamps) == 3.0 / 4
     assert spec_decode.tpot(stamps, 3) == 1.0 / 2
     assert spec_decode.tpot([4.0]) == 0.0
+
+
+def test_batches_decode_together_keyed_by_batch_then_alpha() -> None:
+    result = spec_decode.main(["--device", "cpu", "--model", "random:tiny-llama", "--proposer", "replay",
+                               "--alpha", "1", "--k", "3", "--prompt-tokens", "8", "--max-tokens", "12",
+                               "--rounds", "1", "--num-pages", "64", "--batches", "1", "3"])
+    assert list(result["batches"]) == ["1", "3"]
+    for size in (1, 3):
+        run = result["batches"][str(size)]["alphas"]["1.0"]
+        assert run["is_identical"] and run["output_tokens"] == [12] * size
+        assert [len(t) for t in run["tpot_ms"].values()] == [size, size]
+        assert run["tokens_per_verify"]["expected"] == 4.0
+
+
+def test_expected_tokens_per_verify() -> None:
+    assert spec_decode.expected_tokens_per_verify(0.8, 4) == pytest.approx(1 + 0.8 + 0.64 + 0.512 + 0.4096)
+    assert spec_decode.expected_tokens_per_verify(0.0, 4) == 1.0
+    assert spec_decode.expected_tokens_per_verify(1.0, 4) == 5.0

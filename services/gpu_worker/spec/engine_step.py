@@ -3,10 +3,10 @@
 Per step (engine.py): propose() before scheduling gives each eligible decoding sequence up to k drafts
 (Sequence.draft_token_ids; k from its adaptive budget, adaptive.py); the batch policy schedules such a sequence as a
 multi-token row (its last token + drafts, pages reserved for all of them) beside plain decodes and prefill chunks;
-the runner returns 1 + k logit rows for it; verify() scores them (verify.py) and hands the plain rows' logits back to
-the sampler. The engine then appends the verified tokens, checking stops token by token, and rolls the rejected
-drafts' KV back (BatchPolicy.commit_drafts). Drafts never enter token_ids, so the prefix cache sees only verified
-tokens.
+the runner returns 1 + k logit rows for it (from a verify CUDA graph when every row is a decode: cuda_graphs.py);
+verify() scores them (verify.py) and hands the plain rows' logits back to the sampler. The engine then appends the
+verified tokens, checking stops token by token, and rolls the rejected drafts' KV back (BatchPolicy.commit_drafts).
+Drafts never enter token_ids, so the prefix cache sees only verified tokens.
 
 Not speculated: structured output (a grammar mask per draft position is not built), prompt-logprob requests,
 PD prefill-only requests, requests that set `speculative: false`, and every sequence while more than
