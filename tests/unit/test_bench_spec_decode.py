@@ -60,3 +60,15 @@ def test_expected_tokens_per_verify() -> None:
     assert spec_decode.expected_tokens_per_verify(0.8, 4) == pytest.approx(1 + 0.8 + 0.64 + 0.512 + 0.4096)
     assert spec_decode.expected_tokens_per_verify(0.0, 4) == 1.0
     assert spec_decode.expected_tokens_per_verify(1.0, 4) == 5.0
+
+
+def test_replay_scales_only_the_residual_branches_output_projections():
+    import torch
+
+    from bench.spec_decode import scale_residual_branches
+
+    names = ["model.layers.0.self_attn.o_proj.weight", "model.layers.0.mlp.down_proj.weight",
+             "model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.up_proj.weight", "lm_head.weight"]
+    state = {name: torch.ones(2, 2) for name in names}
+    scale_residual_branches(state, 1e-3)
+    assert [float(state[n][0, 0]) for n in names] == pytest.approx([1e-3, 1e-3, 1.0, 1.0, 1.0])
