@@ -122,4 +122,4 @@ def test_fp8_weights_take_their_own_tuned_tile(monkeypatch):
     monkeypatch.setitem(g.TUNED_FP8, key, g.GemvConfig(8, 1024, 8))
     assert g.config_for(6144, 4096, 1, 1, fp8=True) == g.GemvConfig(8, 1024, 8)
     assert g.config_for(6144, 4096, 1, 1) == g.TUNED[key]
-    assert g.config_for(4096, 4096, 1, 1, fp8=True) == g.config_for(4096, 4096, 1, 1)
+    assert g.config_for(128256, 4096, 1, 1, fp8=True) == g.config_for(128256, 4096, 1, 1)  # the LM head: bf16

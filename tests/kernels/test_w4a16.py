@@ -67,7 +67,7 @@ DOT_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cu
 
 
 @pytest.mark.parametrize("group_size", [32, 128])
-@pytest.mark.parametrize("num_tokens", [1, 3, 16, 40])
+@pytest.mark.parametrize("num_tokens", [1, 3, 16, 40, w4.DEQUANT_MIN_TOKENS])
 @pytest.mark.parametrize("dtype", DOT_DTYPES)
 def test_w4a16_linear_matches_the_dequantized_matmul(num_tokens, group_size, dtype):
     _check(num_tokens, 64, 256, group_size, dtype, TOL[dtype])
@@ -106,14 +106,23 @@ def test_w4a16_group_kernel_tiles_and_parts(num_tokens, config, parts):
     _check(num_tokens, 40, 384, 128, torch.float32, 1e-5, bias=parts == 1, parts=parts, config=config)
 
 
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_the_large_m_path_dequantizes_exactly(group_size):
+    """w4a16_dequantize (the large-M path's float W, one kernel) equals the torch reference's dequantization, rows and
+    columns that do not fill its 32 x 128 tile included."""
+    _, qweight, scales, zeros = _quantized(40, 384, group_size, torch.float32, seed=5)
+    out = w4.w4a16_dequantize(qweight, scales, zeros, group_size, torch.float32)
+    assert torch.equal(out, w4.dequantize_reference(qweight, scales, zeros, group_size))
+
+
 def test_split_for_fills_the_sms_with_whole_groups():
-    cfg64 = w4.config_for(64, 4096, 4096, group_size=128)
-    assert (cfg64.block_m, cfg64.block_n) == (64, 64)
+    cfg8 = w4.config_for(8, 4096, 4096, group_size=128)
+    assert (cfg8.block_m, cfg8.block_n, cfg8.block_k) == (16, 64, 128)  # the group kernel
     # 64 tiles on 132 SMs: 5 parts would fill them twice; 32 groups split 4 ways
-    assert w4.split_for(64, 4096, 4096, 128, cfg64, 132) == 4
-    assert w4.split_for(64, 4096, 14336, 128, cfg64, 132) == 4  # 112 groups: 4 divides them
-    assert w4.split_for(64, 4096, 3 * 128, 128, cfg64, 132) == 3  # 3 groups: at most 3
-    assert w4.split_for(512, 28672, 4096, 128, w4.config_for(512, 28672, 4096, group_size=128), 132) == 1
+    assert w4.split_for(8, 4096, 4096, 128, cfg8, 132) == 4
+    assert w4.split_for(8, 4096, 14336, 128, cfg8, 132) == 4  # 112 groups: 4 divides them
+    assert w4.split_for(8, 4096, 3 * 128, 128, cfg8, 132) == 3  # 3 groups: at most 3
+    assert w4.split_for(8, 28672, 4096, 128, cfg8, 132) == 1  # 448 tiles fill the SMs alone
     assert w4.split_for(1, 4096, 4096, 128, w4.config_for(1, 4096, 4096), 132) == 1  # 512 row tiles already
 
 
@@ -122,9 +131,11 @@ def test_w4a16_default_tiles():
     for m in (2, 16):
         assert w4.config_for(m, 4096, 4096).block_m == w4.DECODE_MAX_TOKENS
     assert w4.config_for(17, 4096, 4096).block_m == 64 and w4.config_for(65, 4096, 4096).block_m == 128
-    for m in (2, 16, 17, 300):  # published groups of 128 take the group kernel (block_k the group), 32 the dot tile
+    for m in (2, 16):  # published groups of 128 take the group kernel (block_k the group) up to 16 tokens, 32 the dot tile
         assert w4.config_for(m, 4096, 4096, group_size=128).block_k == 128
+    for m in (2, 16, 17, 300):
         assert w4.config_for(m, 4096, 4096, group_size=32) == w4.config_for(m, 4096, 4096)
+    assert w4.config_for(17, 4096, 4096, group_size=128) == w4.config_for(17, 4096, 4096)  # the group kernel stops at 16
     assert w4.is_group_tiled(128) and w4.is_group_tiled(256) and not w4.is_group_tiled(64)
     for m in (1, 8, 40, 512):
         for n, k in (4096, 4096), (14336, 4096), (4096, 14336), (64, 96):
@@ -142,15 +153,22 @@ def _compile_default_tiles_for_sm90(out_dir: str) -> None:
 
     for m, k in (1, 4096), (1, 14336), (8, 4096), (40, 4096), (300, 4096):
         cfg = w4.config_for(m, 4096, k)
-        for one_group in (True, False, "group") if m > 1 else (None,):  # the one-token kernel gathers a scale per word
+        # the one-token kernel gathers a scale per word; 8 tokens also on the group kernel (groups of 128), 300 also
+        # on the dequantizing kernel of the large-M path
+        variants = (None,) if m == 1 else (True, False, "group") if m <= 16 else (True, False, "dequant")
+        for one_group in variants:
             if m == 1:
                 fn = w4._w4a16_gemv_kernel
                 consts = {"HAS_BIAS": True, "BLOCK_N": cfg.block_n, "BLOCK_W": cfg.block_k // w4.PACK, "EVEN_K": True}
-            elif one_group == "group":  # groups of 128: the tensor-core group kernel
+            elif one_group == "group":
                 cfg = w4.config_for(m, 4096, k, group_size=128)
                 fn = w4._w4a16_group_kernel
                 consts = {"HAS_BIAS": True, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "GROUP_W": 128 // w4.PACK,
                           "IEEE_DOT": False}
+            elif one_group == "dequant":
+                cfg = w4.W4A16Config(0, 32, 128, 4)  # w4a16_dequantize's tile; block_m 0: no dot
+                fn = w4._w4a16_dequant_kernel
+                consts = {"BLOCK_N": 32, "BLOCK_K": 128, "ONE_GROUP": True}
             else:
                 fn = w4._w4a16_kernel
                 consts = {"HAS_BIAS": True, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
@@ -191,7 +209,8 @@ def test_the_default_tiles_compile_for_sm90_without_spilling(tmp_path):
                          text=True, env=env, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     tiles = [json.loads(line) for line in run.stdout.splitlines()]
-    # one token at two widths of K; 8, 40 and 300 tokens with each way of loading scales and on the group kernel
+    # one token at two widths of K; 8, 40 and 300 tokens with each way of loading scales; the group kernel (8 tokens)
+    # and the dequantizing kernel (40, 300)
     assert len(tiles) == 11
     for tile in tiles:
         assert tile["stack"] == 0 and tile["local"] == 0, tile
@@ -244,7 +263,7 @@ def test_w4a16_rejects_what_it_cannot_compute():
 
 @pytest.mark.gpu
 @gpu_only
-@pytest.mark.parametrize("num_tokens", [1, 8, 16, 17, 200])
+@pytest.mark.parametrize("num_tokens", [1, 8, 16, 17, 200, 300])
 @pytest.mark.parametrize("n,k,group_size", [(6144, 4096, 128), (28672, 4096, 128), (4096, 14336, 128),
                                             (4096, 4096, 32), (4096, 14336, 14336)])
 def test_w4a16_llama8b_shapes(num_tokens, n, k, group_size):

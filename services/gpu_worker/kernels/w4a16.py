@@ -1,30 +1,31 @@
 """INT4 weight-only matmuls (W4A16, issue 25): y [M, N] = x [M, K] @ Wᵀ with W held as 4-bit integers, dequantized
-in registers tile by tile; the float W [N, K] is never written to memory.
+in registers tile by tile up to 255 tokens, and to a temporary float W for cuBLAS from 256.
 
 The layout (internal; the loader converts AWQ and GPTQ checkpoints into it):
 - qweight int32 [N, K // 8], packed along K: nibble i of word j (bits 4i..4i+3, unsigned 0..15) holds k = 8j + i;
 - scales [N, K // G] and zeros [N, K // G] in the model dtype, zeros holding the integer zero point as a float;
 - w[n, k] = (q[n, k] - zeros[n, k // G]) * scales[n, k // G], G (group_size) a multiple of 8 that divides K.
 
-Three kernels, picked by M and the group size (`w4a16_linear`, `config_for`):
+Four paths, picked by M and the group size (`w4a16_linear`, `config_for`; timings: H100, Llama-3.1-8B's projections,
+kernel_table --w4a16-sweep, 2026-12-06):
 - one token (_w4a16_gemv_kernel): one program owns BLOCK_N rows of W and covers K in steps of BLOCK_W words; it
   never materialises an unpacked tile, but multiplies nibble i of each word by x[8j + i] and applies the word's
   scale and zero once to its sums. A nibble becomes a float in one LOP3 and one FFMA (_nibble: masked in place and
-  OR'd into the mantissa of 2^23). History on an H100, Llama-3.1-8B batch-1 step: 18.1 ms with an unpacking reshape
-  and a scale gathered per weight; 4.43 ms (2.76x its 1.61 ms roofline, 84 % of it this kernel, ~35 % of copy
-  bandwidth: bound by its instructions, not by memory) with shift, mask, OR and FADD per nibble; the LOP3 + FFMA
-  form halves the integer instructions and is untimed.
-- two or more tokens, groups of ≥ 128 columns (AWQ and GPTQ as published): _w4a16_group_kernel, the nibbles as
-  integers on the tensor cores, a group a step, its scale and zero applied once to the group's [BLOCK_M, BLOCK_N]
-  sums; split along K (split_for) where the tiles alone would leave SMs idle. It replaces, for those groups, the
-  dequantizing dot tile below, which an H100 ran at 27.3 ms a 64-token step of Llama-3.1-8B (FP8 weights: 6.4 ms).
-- other groups (32, 64): the dequantizing dot tile (_w4a16_kernel): each program dequantizes its [BLOCK_N, BLOCK_K]
-  tile of W to x's dtype in registers (unpack by broadcasting each word against the shifts 0, 4, .., 28, then
-  reshape [BLOCK_N, BLOCK_K // 8, 8] to [BLOCK_N, BLOCK_K], nibble i of word j at column 8j + i) and multiplies it
-  by BLOCK_M rows of x; up to 16 tokens take one 16-row block (tl.dot's narrowest), so W is read once.
-
-The float W [N, K] is never written to memory: dequantizing all of it once a call and calling cuBLAS would move 4.5
-bytes a weight (read half a byte, write and read 2) instead of half a byte.
+  OR'd into the mantissa of 2^23). History, the batch-1 step: 18.1 ms with an unpacking reshape and a scale gathered
+  per weight; 4.43 ms (2.76x its 1.61 ms roofline, 84 % of it this kernel) with shift, mask, OR and FADD per nibble;
+  LOP3 + FFMA took the projections 2-5 % less (0.29-0.41 of copy bandwidth): neither the integer instructions nor
+  the bytes bound it. Unsolved.
+- 2..16 tokens, groups of ≥ 128 columns (AWQ and GPTQ as published): _w4a16_group_kernel, the nibbles as integers
+  on the tensor cores, a group a step, its scale and zero applied once to the group's [BLOCK_M, BLOCK_N] sums; split
+  along K (split_for) where the tiles alone would leave SMs idle. At 8 tokens 1.9-3.4x faster than the dequantizing
+  tile; at 64 rows a tile it was slower than that tile, so it stops at 16 tokens.
+- 17..DEQUANT_MIN_TOKENS - 1 tokens, and 2..16 with other groups (32, 64): the dequantizing dot tile
+  (_w4a16_kernel): each program dequantizes its [BLOCK_N, BLOCK_K] tile of W to x's dtype in registers (unpack by
+  broadcasting each word against the shifts 0, 4, .., 28, then reshape [BLOCK_N, BLOCK_K // 8, 8] to [BLOCK_N,
+  BLOCK_K], nibble i of word j at column 8j + i) and multiplies it by BLOCK_M rows of x. 4.5-9x bf16 cuBLAS at 64
+  tokens: the model's batched decode in INT4 is slow.
+- DEQUANT_MIN_TOKENS (256) tokens and more, prefill chunks included: W dequantized to x's dtype by one streaming kernel
+  (w4a16_dequantize), then cuBLAS; the float W is a temporary of the call.
 """
 from __future__ import annotations
 
@@ -36,6 +37,11 @@ import triton.language as tl
 
 DECODE_MAX_TOKENS = 16  # M up to this takes the decode (GEMV) tile; larger M the GEMM tile: see the module docstring
 GROUP_TILE_MIN = 128  # columns: tl.dot's K is at least 16 words of 8 nibbles
+# From this many tokens, dequantize W to x's dtype (one streaming kernel) and call cuBLAS: the dot tile ran gate_up
+# at 256 tokens in 516 µs (~116 TFLOP/s) where cuBLAS on bf16 weights took 104 µs, and writing then reading the
+# float weight costs ~4.5 bytes a weight, ~0.2 ms for gate_up at the H100's 3 TB/s. Below 256 the tile's 199 µs at
+# 64 tokens beats that ~0.3 ms. The crossover is reasoned from those two measured rows, not itself timed.
+DEQUANT_MIN_TOKENS = 256
 MAX_PARTS = 8  # split-K slices at most (each writes an fp32 partial [M, N])
 PACK = 8  # nibbles a packed int32 word holds
 MAGIC_BITS = tl.constexpr(0x4B000000)  # the float 2^23's bits: a nibble OR'd into its mantissa reads 2^23 + q
@@ -57,23 +63,24 @@ def is_group_tiled(group_size: int) -> bool:
 
 
 def config_for(num_tokens: int, n: int, k: int, parts: int = 1, group_size: int | None = None) -> W4A16Config:
-    """The tile for a call. One token: 8 rows by up to 2048 columns over 4 warps, the fastest of kernel_table's
-    --w4a16-sweep for o, gate_up and down on an H100 (2026-12-06: 10.4, 52.7 and 30.4 µs; qkv's best, 4 rows, was
-    0.3 % faster). Each program reads x as 8 strided passes (x[8j + i] for each nibble i), so wider rows amortise
-    that traffic. Two or more tokens with groups is_group_tiled takes (published AWQ/GPTQ: 128): the group kernel,
-    16 x 64 over 4 warps up to 16 tokens, 64 x 64 over 8 up to 64, else 128 x 64 over 8 (128 x 128 and 64 x 64 over 4
-    spill), block_k the group. Other groups (32, 64): the dequantizing
-    dot tile — gemv.py's 16 x 16 x 256 up to 16 tokens, 64 x 128 x 64 over 8 warps up to 64, else 128 x 128 x 32 — which
-    an H100 ran 10x slower than bf16 cuBLAS at 64 tokens (model_speed, 2026-12-06). ptxas for sm_90 fits every default
-    tile without spilling (tests/kernels/test_w4a16.py checks it offline)."""
+    """The tile for a call of up to DEQUANT_MIN_TOKENS - 1 tokens (past that: dequantize, then cuBLAS). Measured on an
+    H100 with kernel_table --w4a16-sweep (2026-12-06, Llama-3.1-8B's projections, groups of 128):
+    - one token: 8 rows by up to 2048 columns over 4 warps, the fastest for o, gate_up and down (10.3, 50.2, 29.6 µs;
+      qkv's best, 8 x 1024, 3 % faster). Each program reads x as 8 strided passes (x[8j + i] for each nibble i), so
+      wider rows amortise that traffic.
+    - 2..16 tokens with groups is_group_tiled takes (published AWQ/GPTQ: 128): the group kernel, 16 x 64 over 4
+      warps, block_k the group. At 8 tokens it took 45.6 / 26.2 / 113.4 / 76.9 µs (qkv / o / gate_up / down): 1.3-2x
+      bf16 cuBLAS, and 1.9-3.4x faster than the dequantizing tile. At 64 and 256 tokens (64 and 128 rows) it was
+      2.5-5x slower than that tile, so it stops at 16.
+    - otherwise the dequantizing dot tile: gemv.py's 16 x 16 x 256 up to 16 tokens, 64 x 128 x 64 over 8 warps up to
+      64, else 128 x 128 x 32: 4.5-9x bf16 cuBLAS at 64 tokens.
+    ptxas for sm_90 fits every default tile without spilling (tests/kernels/test_w4a16.py checks it offline)."""
     width = triton.next_power_of_2(max(16, k // parts))
     if num_tokens == 1:
         return W4A16Config(1, 8, min(2048, width), 4)
-    if group_size is not None and is_group_tiled(group_size):
-        if num_tokens <= DECODE_MAX_TOKENS:
-            return W4A16Config(DECODE_MAX_TOKENS, 64, group_size, 4, 2)
-        return W4A16Config(64 if num_tokens <= 64 else 128, 64, group_size, 8, 2)
     if num_tokens <= DECODE_MAX_TOKENS:
+        if group_size is not None and is_group_tiled(group_size):
+            return W4A16Config(DECODE_MAX_TOKENS, 64, group_size, 4, 2)
         return W4A16Config(DECODE_MAX_TOKENS, 16, min(256, width), 4)
     if num_tokens <= 64:
         return W4A16Config(64, 128, min(64, width), 8, 3)
@@ -311,17 +318,50 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
 
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ Wᵀ (+ bias) → [M, N] in x's dtype, W the INT4 weight (layout: module docstring), at config_for's
-    tile, split along K where its tiles alone would leave SMs idle (split_for; the partials summed here)."""
+    """x [M, K] @ Wᵀ (+ bias) → [M, N] in x's dtype, W the INT4 weight (layout: module docstring): from
+    DEQUANT_MIN_TOKENS tokens W dequantized to x's dtype and cuBLAS; else config_for's tile, the group kernel split
+    along K where its tiles alone would leave SMs idle (split_for; the partials summed here)."""
     if x.dim() != 2 or x.shape[0] == 0:
         raise ValueError(f"w4a16_linear takes x [M ≥ 1, K], not {tuple(x.shape)}")
     (num_tokens, k), n = x.shape, qweight.shape[0]
+    if num_tokens >= DEQUANT_MIN_TOKENS:
+        _check_layout(x, qweight, scales, zeros, group_size)
+        return torch.nn.functional.linear(x, w4a16_dequantize(qweight, scales, zeros, group_size, x.dtype), bias)
     cfg = config_for(num_tokens, n, k, 1, group_size)
-    parts = split_for(num_tokens, n, k, group_size, cfg, _num_sms(x.device)) if k % group_size == 0 else 1
+    is_group = cfg.block_k == group_size and is_group_tiled(group_size) and k % group_size == 0
+    parts = split_for(num_tokens, n, k, group_size, cfg, _num_sms(x.device)) if is_group else 1
     if parts == 1:
         return w4a16_matmul(x, qweight, scales, zeros, group_size, bias, config=cfg)
     out = w4a16_matmul(x, qweight, scales, zeros, group_size, None, parts, cfg).sum(0)
     return (out if bias is None else out + bias.float()).to(x.dtype)
+
+
+@triton.jit
+def _w4a16_dequant_kernel(q_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size, stride_qn, stride_sn, stride_on,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_GROUP: tl.constexpr):
+    """out[n, k] = (q[n, k] − z[n, k // G])·s[n, k // G] for a [BLOCK_N, BLOCK_K] tile, in out's dtype."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    k0 = tl.program_id(1) * BLOCK_K
+    w = _dequant_tile(q_ptr, s_ptr, z_ptr, offs_n, mask_n, k0, K, group_size, stride_qn, stride_sn, BLOCK_N, BLOCK_K,
+                      ONE_GROUP)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + offs_n[:, None] * stride_on + offs_k[None, :], w.to(out_ptr.dtype.element_ty),
+             mask=mask_n[:, None] & (offs_k < K)[None, :])
+
+
+def w4a16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """The float W [N, K] in `dtype`, in one streaming kernel (half a byte read, 2 written a weight): the large-M
+    path's temporary, freed when the call's GEMM is done."""
+    n, k = qweight.shape[0], qweight.shape[1] * PACK
+    qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
+    out = torch.empty((n, k), dtype=dtype, device=qweight.device)
+    block_k = min(128, triton.next_power_of_2(k))
+    _w4a16_dequant_kernel[(triton.cdiv(n, 32), triton.cdiv(k, block_k))](
+        qweight, scales, zeros, out, n, k, group_size, qweight.stride(0), scales.stride(0), out.stride(0),
+        BLOCK_N=32, BLOCK_K=block_k, ONE_GROUP=group_size % block_k == 0, num_warps=4)
+    return out
 
 
 def _num_sms(device: torch.device) -> int:
