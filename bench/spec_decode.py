@@ -34,8 +34,9 @@ decode graphs and overlap as a plain engine's.
 In bf16 a verify row's logits differ in rounding from the plain step's, so at a near-tie the speculative output may
 leave the recorded one (random weights make near-ties common); from there the replay proposer has no continuation
 and proposes nothing. The report gives each output's common prefix with the record and the TPOT over that prefix.
-So replay mode scales the random model's residual branches down first (--residual-scale, default 1e-3;
-scale_residual_branches): each step costs what it did, and far fewer choices flip.
+So replay mode first scales the random model's residual branches down (--residual-scale, default 1e-3) and ties its
+LM head to the embedding (make_greedy_robust): each step costs what it did, and the greedy output (the last prompt
+token, repeated) has no near-tie to flip.
 """
 from __future__ import annotations
 
@@ -320,18 +321,21 @@ def run_ngram(args: argparse.Namespace, engines: dict[str, Engine]) -> dict:
     }
 
 
-def scale_residual_branches(state_dict: dict[str, torch.Tensor], scale: float) -> None:
-    """Multiply every layer's residual-branch output projections (o_proj, down_proj) by `scale`, in place.
+def make_greedy_robust(state_dict: dict[str, torch.Tensor], residual_scale: float) -> None:
+    """Replay mode's random weights, in place: every layer's residual-branch output projections (o_proj, down_proj)
+    times `residual_scale`, and the LM head set to the input embedding.
 
-    Why (replay mode on random weights): a random model's greedy choices are near-ties everywhere, so the bf16
-    rounding by which a verify row (k + 1 tokens, the extend kernel) differs from a plain decode step (one token, the
-    decode kernel and the GEMV) flips one within a few tokens and the output leaves its record (an H100 run: after
-    1 to 19 tokens). With the branches scaled down, each layer adds a small term to the residual stream, whose bf16
-    rounding then mostly absorbs the two paths' differences: the logits agree bit for bit far more often. Shapes,
-    bytes and FLOPs are unchanged, so every step costs what it did; only the values differ."""
+    Why: a random model's greedy choices are near-ties everywhere, so the bf16 rounding by which a verify row (k + 1
+    tokens, the extend kernel) differs from a plain decode step (one token, the decode kernel and the GEMV) flips one
+    within a few tokens, and the output leaves its record (an H100 run: after 1 to 19 tokens; with the branches
+    scaled by 1e-3 alone, after 2 to 27). With both, the last hidden state is about the current token's embedding and
+    the LM head scores that token ~sqrt(hidden) times above the rest: the greedy output repeats the last prompt token,
+    with no near-tie to flip. Shapes, bytes and FLOPs are unchanged, so every step costs what it did."""
     for name, weight in state_dict.items():
         if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
-            weight.mul_(scale)
+            weight.mul_(residual_scale)
+    if "lm_head.weight" in state_dict:
+        state_dict["lm_head.weight"].copy_(state_dict["model.embed_tokens.weight"])
 
 
 def build_engines(args: argparse.Namespace) -> dict[str, Engine]:
@@ -347,8 +351,8 @@ def build_engines(args: argparse.Namespace) -> dict[str, Engine]:
                     max_num_seqs=max(8, largest))
     config = EngineConfig(**base)
     loaded = load_model(args.model, dtype=config.resolved_dtype(), device=config.resolved_device())
-    if args.proposer == "replay" and args.residual_scale != 1.0:
-        scale_residual_branches(loaded.state_dict, args.residual_scale)
+    if args.proposer == "replay" and args.residual_scale != 1.0:  # 1: as loaded, the LM head untouched too
+        make_greedy_robust(loaded.state_dict, args.residual_scale)
     spec_name = "ngram" if args.proposer == "ngram" else "spec"
     engines = {"plain": Engine(config, loaded=loaded),
                spec_name: Engine(EngineConfig(**base, speculative_method="ngram", num_speculative_tokens=args.k,
@@ -367,8 +371,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default="bundled")
     parser.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
     parser.add_argument("--residual-scale", type=float, default=1e-3,
-                        help="replay: scale of the layers' o_proj and down_proj weights (scale_residual_branches), so "
-                        "random weights' greedy output survives bf16 rounding differences; 1: as loaded")
+                        help="replay: scale of the layers' o_proj and down_proj weights, the LM head then tied to the "
+                        "embedding (make_greedy_robust), so random weights' greedy output survives bf16 rounding "
+                        "differences; 1: the weights as loaded")
     parser.add_argument("--max-tokens", type=int, default=None, help="output tokens (default: 160 n-gram, 256 replay)")
     parser.add_argument("--rounds", type=int, default=None, help="default: 5 n-gram, 2 replay")
     parser.add_argument("--alpha", type=float, nargs="+", default=[0.8, 0.0],

@@ -62,13 +62,16 @@ def test_expected_tokens_per_verify() -> None:
     assert spec_decode.expected_tokens_per_verify(1.0, 4) == 5.0
 
 
-def test_replay_scales_only_the_residual_branches_output_projections():
+def test_replay_makes_the_random_greedy_output_robust():
+    """Only the residual branches' output projections are scaled; the LM head becomes the embedding."""
     import torch
 
-    from bench.spec_decode import scale_residual_branches
+    from bench.spec_decode import make_greedy_robust
 
     names = ["model.layers.0.self_attn.o_proj.weight", "model.layers.0.mlp.down_proj.weight",
-             "model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.up_proj.weight", "lm_head.weight"]
+             "model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.up_proj.weight"]
     state = {name: torch.ones(2, 2) for name in names}
-    scale_residual_branches(state, 1e-3)
-    assert [float(state[n][0, 0]) for n in names] == pytest.approx([1e-3, 1e-3, 1.0, 1.0, 1.0])
+    state |= {"model.embed_tokens.weight": torch.full((3, 2), 7.0), "lm_head.weight": torch.zeros(3, 2)}
+    make_greedy_robust(state, 1e-3)
+    assert [float(state[n][0, 0]) for n in names] == pytest.approx([1e-3, 1e-3, 1.0, 1.0])
+    assert torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
