@@ -408,20 +408,26 @@ class Table:
         label = "default" if cfg is None else "{}x{}w{}s{}".format(*cfg)
         return self.measure(f"gemv8_{name}_M{tokens}_{label}", n * k + 4 * n + tokens * (n + k) * self.esize, build)
 
-    def w4a16(self, name: str, tokens: int, n: int, k: int, config: tuple | None = None,
+    def w4a16(self, name: str, tokens: int, n: int, k: int, config: tuple | str | None = None,
               group_size: int = 128) -> dict:
         """x [tokens, k] @ Wᵀ with W [n, k] as INT4 (kernels/w4a16.py's layout, groups of group_size) on the W4A16
-        kernel with `config` (W4A16Config fields; None: config_for's)."""
+        kernel with `config` (W4A16Config fields; None: as served, w4a16_linear; "dequant": the large-M path at any
+        M, w4a16_dequantize then cuBLAS)."""
+        import torch.nn.functional as F
+
         from services.gpu_worker.kernels import w4a16 as w4
 
-        cfg = None if config is None else w4.W4A16Config(*config)
+        cfg = None if config is None or config == "dequant" else w4.W4A16Config(*config)
 
         def build(i: int):
             x = self.randn(tokens, k)
             qweight = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // w4.PACK), dtype=torch.int32, device=self.dev)
             scales = (torch.rand(n, k // group_size, device=self.dev) * 0.02).to(self.dtype)
             zeros = torch.randint(0, 16, (n, k // group_size), device=self.dev).to(self.dtype)
-            if cfg is None:  # as served: config_for's tile, split along K where split_for says
+            if config == "dequant":
+                def call():
+                    return F.linear(x, w4.w4a16_dequantize(qweight, scales, zeros, group_size, x.dtype))
+            elif cfg is None:  # as served: the path and tile w4a16_linear picks
                 call = lambda: w4.w4a16_linear(x, qweight, scales, zeros, group_size)  # noqa: E731
             else:
                 call = lambda: w4.w4a16_matmul(x, qweight, scales, zeros, group_size, config=cfg)  # noqa: E731
@@ -432,7 +438,7 @@ class Table:
             return call, error
 
         num_bytes = n * k // 2 + 2 * n * (k // group_size) * self.esize + tokens * (n + k) * self.esize
-        label = "default" if config is None else "{}x{}x{}w{}s{}".format(*config)
+        label = "default" if config is None else config if isinstance(config, str) else "{}x{}x{}w{}s{}".format(*config)
         return self.measure(f"w4a16_{name}_M{tokens}_{label}", num_bytes, build)
 
 
@@ -572,8 +578,12 @@ def fp8_gemv_sweep(shapes: Shapes = LLAMA3_8B, timer: Timer = graph_timer, max_c
     return {"rows": t.rows, "best": best}
 
 
-W4A16_TILES = tuple((1, bn, bk, w, 1) for bn in (2, 4, 8, 16, 32) for bk in (512, 1024, 2048) for w in (4, 8))
-W4A16_TOKENS = (8, 64, 256)  # the sweep's multi-token rows: decode batches and a prefill chunk
+# One token: rows x columns x warps x pipeline stages. 1 stage (all the first sweep tried) left the kernel at 0.29-0.41
+# of copy with issue slots to spare (~0.84 ms of instructions a batch-1 step against 3.4 ms), so loads in flight are
+# the suspect: more stages, and narrower tiles (168 registers a thread at 8 x 2048) for more warps an SM.
+W4A16_TILES = tuple((1, bn, bk, w, s) for bn in (4, 8, 16) for bk in (512, 1024, 2048) for w in (4, 8)
+                    for s in (1, 2, 3))
+W4A16_TOKENS = (8, 32, 64, 128, 256)  # the sweep's multi-token rows: decode batches and a prefill chunk
 
 
 def w4a16_sweep(shapes: Shapes = LLAMA3_8B, timer: Timer = graph_timer, max_calls: int = MAX_CALLS,
@@ -582,7 +592,8 @@ def w4a16_sweep(shapes: Shapes = LLAMA3_8B, timer: Timer = graph_timer, max_call
     """Each projection of `shapes` at one token on the INT4 kernel (kernels/w4a16.py): at config_for's tile and at
     each of `tiles` no wider than K, beside the bf16 weights on cuBLAS → {"rows", "best": per projection the fastest
     tile, its µs and fraction of copy, the default tile's µs and cuBLAS bf16's µs; "tokens": at each of W4A16_TOKENS,
-    the default path as served, the dequantizing dot tile and bf16 cuBLAS}."""
+    the default path as served, the dequantizing dot tile, dequantize-then-cuBLAS and bf16 cuBLAS}: where to set
+    w4a16.DEQUANT_MIN_TOKENS."""
     from services.gpu_worker.kernels import w4a16 as w4
 
     t = Table(shapes, timer, max_calls, copy_tbs, device, dtype)
@@ -604,8 +615,9 @@ def w4a16_sweep(shapes: Shapes = LLAMA3_8B, timer: Timer = graph_timer, max_call
             dense = t.gemv(name, m, n, k, 1)
             default = t.w4a16(name, m, n, k, group_size=group_size)
             dequant = t.w4a16(name, m, n, k, tuple(w4.config_for(m, n, k)), group_size)
+            cublas = t.w4a16(name, m, n, k, "dequant", group_size)
             batches[f"{name}_M{m}"] = {"default_us": default["us"], "dequant_tile_us": dequant["us"],
-                                           "bf16_cublas_us": dense["us"],
+                                           "dequant_cublas_us": cublas["us"], "bf16_cublas_us": dense["us"],
                                            "default_over_bf16": round(default["us"] / dense["us"], 3)}
     return {"rows": t.rows, "best": best, "tokens": batches}
 

@@ -140,6 +140,7 @@ def test_the_w4a16_sweep_checks_each_tile_against_the_dequantized_weight():
         assert b["default_us"] == res["rows"][f"w4a16_{name}_M1_default"]["us"]
         several = res["tokens"][f"{name}_M5"]  # five tokens: as served, the dequantizing tile, bf16
         assert several["default_us"] == res["rows"][f"w4a16_{name}_M5_default"]["us"] and several["bf16_cublas_us"] > 0
+        assert several["dequant_cublas_us"] == res["rows"][f"w4a16_{name}_M5_dequant"]["us"]
 
 
 def test_the_fp8_gemv_sweep_checks_each_tile_against_the_scaled_weight():
