@@ -123,12 +123,13 @@ class ModelRunner:
         if loaded.quantization is not None and method not in (None, loaded.quantization):
             raise ValueError(f"the checkpoint is quantized with {loaded.quantization}, not {method}")
         linears = loaded.quantized_linears or (self._gguf_linears(loaded) if method == "gguf" else {})
-        if linears:  # installed first; the dense rest loads around them
+        if linears:  # installed first (under TP: this rank's slices); the dense rest loads around them
             if self.tp is not None:
-                raise ValueError(f"{loaded.quantization or method} weights cannot be split over tensor-parallel "
-                                 "ranks yet")
+                from services.gpu_worker.parallel.shard import shard_linear_layers
+
+                linears = shard_linear_layers(linears, self.tp.rank, self.tp.size)
             dense = {name: w for name, w in loaded.state_dict.items() if name.removesuffix(".weight") not in linears}
-            self.model.load_weights({**dense, **install_(self.model, linears)})
+            self.model.load_weights(dense, local=install_(self.model, linears))
             return len(linears)
         self.model.load_weights(loaded.state_dict)
         if method is None:

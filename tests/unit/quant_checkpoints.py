@@ -15,6 +15,21 @@ from services.gpu_worker.quant.int4 import dequantize_int4, quantize_int4
 from services.gpu_worker.quant.linear import QuantizedLinear
 from services.gpu_worker.quant.writer import as_written_, layer_tensors, quantization_config
 
+def tiny_dense_llama(directory: str) -> Path:
+    """A random 2-layer Llama checkpoint (hidden 64, 4 query and 2 kv heads, intermediate 128, vocab 256) saved in
+    `directory`: the dense model the quantized checkpoints are written from."""
+    import transformers
+
+    from tests.unit.hf_checkpoints import save_checkpoint
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   tie_word_embeddings=False)
+    path, _ = save_checkpoint(transformers.LlamaForCausalLM(cfg), directory, "dense")
+    return path
+
+
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

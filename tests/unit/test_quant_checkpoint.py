@@ -8,15 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 
 from services.gpu_worker.engine import Engine
 from services.gpu_worker.engine_config import EngineConfig
 from services.gpu_worker.model.loader import load_model
 from services.gpu_worker.quant.linear import QuantizedLinear
 from services.gpu_worker.request import SamplingParams
-from tests.unit.hf_checkpoints import random_prompts, save_checkpoint
-from tests.unit.quant_checkpoints import write_quantized
+from tests.unit.hf_checkpoints import random_prompts
+from tests.unit.quant_checkpoints import tiny_dense_llama, write_quantized
 
 GROUP = 32
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
@@ -24,12 +23,7 @@ PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs
 
 @pytest.fixture(scope="module")
 def dense_dir(tmp_path_factory) -> Path:
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   tie_word_embeddings=False)
-    path, _ = save_checkpoint(transformers.LlamaForCausalLM(cfg), str(tmp_path_factory.mktemp("quant")), "dense")
-    return path
+    return tiny_dense_llama(str(tmp_path_factory.mktemp("quant")))
 
 
 def _generate(model: str, **overrides) -> tuple[Engine, list]:

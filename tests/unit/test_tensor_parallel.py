@@ -168,16 +168,21 @@ def _drive(engine: Engine | LockstepEngine) -> dict:
     return record
 
 
-def _rank_drive(preset_name: str, overlap: bool) -> dict | None:
-    engine = Engine(_engine_config(preset_name, TP, overlap), loaded=load_model(f"random:{preset_name}", seed=SEED))
+def lead_or_follow(engine: Engine, drive):
+    """On rank 0, drive(LockstepEngine(engine)) and its result, the group shut down after; on the others, follow."""
     if engine.tp.rank != 0:
         follow(engine)
         return None
     lockstep = LockstepEngine(engine)
     try:
-        return _drive(lockstep)
+        return drive(lockstep)
     finally:
         assert lockstep.shutdown()
+
+
+def _rank_drive(preset_name: str, overlap: bool) -> dict | None:
+    return lead_or_follow(Engine(_engine_config(preset_name, TP, overlap),
+                                 loaded=load_model(f"random:{preset_name}", seed=SEED)), _drive)
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ Rank r of tp holds (H query heads, KVH kv heads, I intermediate, D head_dim):
     mlp.experts.down_proj [E, hidden, Im]    the matching input columns; all_reduce after
     mlp.gate (the MoE router)                replicated: every rank routes alike
     embed_tokens, lm_head, every norm (q_norm / k_norm too): replicated
+    a quantized checkpoint's layers (shard_linear_layers): the same split, each with its scales
 
 Contiguous blocks of query heads keep GQA intact: query head h reads kv head h // (H/KVH), so rank r's query
 heads read exactly rank r's kv heads. The slicing works on any loader's output (HF directory, bundled GGUF,
@@ -19,6 +20,7 @@ random:<preset>): they all produce the same HF names and layout.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import torch
 
@@ -58,6 +60,26 @@ def shard_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, rank
     if tp_size == 1:
         return dict(state_dict)
     return {name: _slice(name, tensor, rank, tp_size) for name, tensor in state_dict.items()}
+
+
+_COLUMN_LAYER = re.compile(r".*\.(self_attn\.(q|k|v)_proj|mlp\.(gate|up)_proj)")
+_ROW_LAYER = re.compile(r".*\.(self_attn\.o_proj|mlp\.down_proj)")
+
+
+def shard_linear_layers(layers: dict[str, Any], rank: int, tp_size: int) -> dict[str, Any]:
+    """Rank `rank`'s slices of whole layers a quantized checkpoint holds (quant/linear.py QuantizedLinear, keyed by
+    module name), split as shard_state_dict splits the dense weights of the same names: q/k/v and gate/up by output
+    rows, o and down by input columns (QuantizedLinear.shard)."""
+    out = {}
+    for prefix, layer in layers.items():
+        if _COLUMN_LAYER.fullmatch(prefix):
+            out[prefix] = layer.shard(rank, tp_size, 0)
+        elif _ROW_LAYER.fullmatch(prefix):
+            out[prefix] = layer.shard(rank, tp_size, 1)
+        else:
+            raise ValueError(f"{prefix}: a quantized layer with no tensor-parallel split (q/k/v, o, gate/up and down "
+                             "have one)")
+    return out
 
 
 def _slice(name: str, tensor: torch.Tensor, rank: int, tp_size: int) -> torch.Tensor:

@@ -60,6 +60,41 @@ class QuantizedLinear(nn.Module):
             return cls.int4(quantize_int4(weight, int4_group_size(weight.shape[1], group_size)), bias)
         raise ValueError(f"unknown linear quantization {method!r}: 'fp8' or 'int4'")
 
+    def shard(self, rank: int, tp_size: int, dim: int) -> QuantizedLinear:
+        """Rank `rank`'s slice for tensor parallelism (parallel/shard.py picks dim by the layer's name), copies that
+        let the whole layer go. dim 0, column parallel: the output rows, each with its scales (and zero points, and
+        bias). dim 1, row parallel: the input columns, every row's scale (FP8: one a row, whole) or its groups of
+        those columns (INT4: the slice must be whole groups); a bias, which the all-reduce after the layer would add
+        tp_size times, and an act-order permutation that moves input features across ranks' slices, are refused."""
+        if dim not in (0, 1):
+            raise ValueError(f"shard: dim 0 (output rows) or 1 (input columns), not {dim}")
+
+        def part(t: torch.Tensor | None, d: int = dim) -> torch.Tensor | None:
+            return None if t is None else t.chunk(tp_size, dim=d)[rank].clone()
+
+        if dim == 1 and self.bias is not None:
+            raise ValueError("a row-parallel quantized layer with a bias cannot be split: the all-reduce after it would "
+                             f"add the bias {tp_size} times")
+        if self.method == "fp8":
+            return QuantizedLinear.fp8(part(self.qweight), part(self.weight_scale, 0) if dim == 0 else
+                                       self.weight_scale.clone(), part(self.bias, 0))
+        if dim == 0:
+            return QuantizedLinear.int4(Int4Weight(part(self.qweight), part(self.scales), part(self.zeros),
+                                                   self.group_size, self.perm), part(self.bias))
+        width = self.in_features // tp_size
+        if self.in_features % tp_size or width % self.group_size:
+            raise ValueError(f"INT4 groups of {self.group_size} do not split {self.in_features} input features into "
+                             f"{tp_size} whole-group slices")
+        perm = None
+        if self.perm is not None:  # packed column k reads input feature perm[k]: this slice's must be its own
+            perm = self.perm[rank * width:(rank + 1) * width] - rank * width
+            if perm.min() < 0 or perm.max() >= width:
+                raise ValueError("an act-order INT4 layer (GPTQ desc_act) whose permutation moves input features "
+                                 "between tensor-parallel ranks cannot be split row-wise")
+            perm = perm.clone()
+        return QuantizedLinear.int4(Int4Weight(part(self.qweight), part(self.scales), part(self.zeros),
+                                               self.group_size, perm))
+
     def int4_weight(self) -> Int4Weight:
         return Int4Weight(self.qweight, self.scales, self.zeros, self.group_size, self.perm)
 
