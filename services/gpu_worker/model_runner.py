@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from services.gpu_worker.attention import AttentionMetadata, make_backend
@@ -199,7 +200,9 @@ class ModelRunner:
         # Triton compiles the kernels once instead of once more each time the widest sequence crosses a multiple
         widest = max(len(item.seq.page_ids) for item in plan.items)
         max_pages = -(-widest // TABLE_WIDTH_MULTIPLE) * TABLE_WIDTH_MULTIPLE
-        table = [item.seq.page_ids + [0] * (max_pages - len(item.seq.page_ids)) for item in plan.items]
+        table = np.zeros((len(plan.items), max_pages), dtype=np.int32)  # row by row: no padded list of lists
+        for i, item in enumerate(plan.items):
+            table[i, :len(item.seq.page_ids)] = item.seq.page_ids
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=to_device(slots, self._index_dtype, dev),
