@@ -344,13 +344,14 @@ class BatchPolicy:
             return
         computed = seq.token_ids[: min(seq.num_computed, seq.num_known_tokens)]
         num_full = len(computed) // self.page_size
-        result = self.cache.insert(computed, seq.page_ids[:num_full], now)
+        # from the sequence's own cache node: its pages up to there are the tree's already (matched, or made so by an
+        # earlier call), so only the pages past it are walked and may need the tree's copy
+        result = self.cache.insert(computed, seq.page_ids[:num_full], now, after=seq.cache_node)
         self.cache.lock(result.node)
         if seq.cache_node is not None:
             self.cache.unlock(seq.cache_node)
         seq.cache_node = result.node
-        canonical = self.cache.match_prefix(computed, now).page_ids
-        for i, page_id in enumerate(canonical):
+        for i, page_id in enumerate(result.page_ids, start=num_full - len(result.page_ids)):
             if seq.page_ids[i] != page_id:
                 self.pool.incref([page_id])
                 self.pool.free([seq.page_ids[i]])

@@ -62,6 +62,35 @@ def test_reinsert_keeps_tree_pages_and_emits_nothing() -> None:
     check(pool, cache)
 
 
+def test_insert_after_a_node_walks_only_the_pages_past_it() -> None:
+    """A growing sequence's insert from its own node: the same tree, events and page refs as from the root; the
+    result names the tree's page of each page past that node (another sequence's copy where it came first), and the
+    nodes above are touched as a walk from the root would touch them."""
+    pool, cache = make_cache()
+    first = cache.insert(A[:4], pool.allocate(1), now=1.0)  # page 1: A's first page
+    other = cache.insert(A[:8], [1] + pool.allocate(1), now=2.0)  # another sequence adds page 2 (A's second)
+    cache.drain_events()
+    mine = pool.allocate(2)  # this sequence's own copy of A's second page, and its third
+    grown = cache.insert(A, [1] + mine, now=3.0, after=first.node)
+    assert grown.page_ids == [2, mine[1]] and grown.num_new_pages == 1
+    assert cache.drain_events() == [BlocksStored(hashes(A[8:], hashes(A[:8])[-1]), hashes(A[:8])[-1], A[8:], 4)]
+    assert cache.match_prefix(A, now=4.0).page_ids == [1, 2, mine[1]]
+    assert first.node.last_access == 4.0 and other.node.last_access == 4.0
+    nothing = cache.insert(A + [90, 91], [1, 2, mine[1]], now=5.0, after=grown.node)  # no full page past it
+    assert (nothing.node, nothing.page_ids, nothing.num_new_pages) == (grown.node, [], 0)
+    assert first.node.last_access == 5.0
+    pool.free([mine[0]])
+    check(pool, cache)
+
+
+def test_insert_after_a_node_deeper_than_the_tokens_walks_from_the_root() -> None:
+    pool, cache = make_cache()
+    deep = cache.insert(A, pool.allocate(3), now=1.0)
+    again = cache.insert(A[:4], [1], now=2.0, after=deep.node)
+    assert again.page_ids == [1] and again.num_new_pages == 0
+    check(pool, cache)
+
+
 def test_diverge_splits_edge_at_page_boundary() -> None:
     pool, cache = make_cache()
     a_pages = pool.allocate(3)

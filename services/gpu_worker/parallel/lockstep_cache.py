@@ -27,5 +27,6 @@ class LockstepRadixCache(RadixCache):
     def match_prefix(self, token_ids: SequenceOf[int], now: float) -> PrefixMatch:
         return super().match_prefix(token_ids, self._now(now))
 
-    def insert(self, token_ids: SequenceOf[int], page_ids: SequenceOf[int], now: float) -> InsertResult:
-        return super().insert(token_ids, page_ids, self._now(now))
+    def insert(self, token_ids: SequenceOf[int], page_ids: SequenceOf[int], now: float,
+               after=None) -> InsertResult:
+        return super().insert(token_ids, page_ids, self._now(now), after)
