@@ -14,7 +14,9 @@ kernel_table --w4a16-sweep, 2026-12-06):
   OR'd into the mantissa of 2^23). History, the batch-1 step: 18.1 ms with an unpacking reshape and a scale gathered
   per weight; 4.43 ms (2.76x its 1.61 ms roofline, 84 % of it this kernel) with shift, mask, OR and FADD per nibble;
   LOP3 + FFMA took the projections 2-5 % less (0.29-0.41 of copy bandwidth): neither the integer instructions nor
-  the bytes bound it. Unsolved.
+  the bytes bound it; loads in flight are the suspect (12 warps an SM at 168 registers, each step's loads waited for
+  before its arithmetic). W4A16Config.num_stages 2 prefetches the next step's loads in registers (untimed; Triton's
+  own num_stages leaves this kernel unchanged). Unsolved.
 - 2..16 tokens, groups of ≥ 128 columns (AWQ and GPTQ as published): _w4a16_group_kernel, the nibbles as integers
   on the tensor cores, a group a step, its scale and zero applied once to the group's [BLOCK_M, BLOCK_N] sums; split
   along K (split_for) where the tiles alone would leave SMs idle. At 8 tokens 1.9-3.4x faster than the dequantizing
@@ -53,7 +55,7 @@ class W4A16Config(NamedTuple):
     block_n: int
     block_k: int  # a multiple of PACK
     num_warps: int
-    num_stages: int = 1
+    num_stages: int = 1  # one token: ≥ 2 prefetches the next step's loads in registers (PREFETCH), Triton runs 1
 
 
 def is_group_tiled(group_size: int) -> bool:
@@ -141,14 +143,34 @@ def _dequant_tile(q_ptr, s_ptr, z_ptr, offs_n, mask_n, k_start, k_end, group_siz
 
 
 @triton.jit
+def _w4a16_gemv_step_loads(q_ptr, s_ptr, z_ptr, offs_n, mask_n, w0, w_end, words_per_group, stride_qn, stride_sn,
+                           BLOCK_W: tl.constexpr, EVEN_K: tl.constexpr):
+    """One step's packed words [BLOCK_N, BLOCK_W] and each word's group scale and zero (fp32), for words w0.. (those
+    from w_end on, and masked rows, load as 0)."""
+    offs_w = w0 + tl.arange(0, BLOCK_W)
+    if EVEN_K:
+        mask = mask_n[:, None]
+    else:
+        mask = mask_n[:, None] & (offs_w < w_end)[None, :]
+    words = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_w[None, :], mask=mask, other=0,
+                    eviction_policy="evict_first")  # [BLOCK_N, BLOCK_W] int32
+    g_off = offs_n[:, None] * stride_sn + (offs_w // words_per_group)[None, :]
+    s = tl.load(s_ptr + g_off, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + g_off, mask=mask, other=0.0).to(tl.float32)
+    return words, s, z
+
+
+@triton.jit
 def _w4a16_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, k_per_part, group_size, stride_qn, stride_sn,
                        stride_op, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                       EVEN_K: tl.constexpr):
+                       EVEN_K: tl.constexpr, PREFETCH: tl.constexpr = False):
     """One token: out[part, 0, n] = Σ_k x[k] w[n, k] over the part's slice of K, BLOCK_W packed words (8·BLOCK_W
     columns) of BLOCK_N rows a step. Per word, Σ_k (q − z)·s·x = s·(Σ_i q_i·x_{8j+i} − z·Σ_i x_{8j+i}): nibble i of
     every word multiplies the strided x[8j + i] (no reshape of the unpacked tile), and the word's group scale and
     zero (gathered per word, an eighth of the weights) apply once to the word's sums. EVEN_K: the part's words are
-    a whole number of BLOCK_W, so no column mask (the rows' words then load as 16-byte vectors)."""
+    a whole number of BLOCK_W, so no column mask (the rows' words then load as 16-byte vectors). PREFETCH: each step
+    issues the next step's word, scale and zero loads before its arithmetic, so their DRAM latency overlaps it
+    (Triton's num_stages does not pipeline loads that feed no dot: this kernel's SASS is the same at 1, 2 and 3)."""
     pid_n = tl.program_id(0)
     part = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -157,16 +179,19 @@ def _w4a16_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, k_per_part
     w_end = w_lo + k_per_part // 8
     words_per_group = group_size // 8
     acc = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+    if PREFETCH:
+        words, s, z = _w4a16_gemv_step_loads(q_ptr, s_ptr, z_ptr, offs_n, mask_n, w_lo, w_end, words_per_group,
+                                             stride_qn, stride_sn, BLOCK_W, EVEN_K)
     for w0 in range(w_lo, w_end, BLOCK_W):
         offs_w = w0 + tl.arange(0, BLOCK_W)
-        if EVEN_K:
-            mask_w = tl.full([BLOCK_W], True, tl.int1)
-            mask = mask_n[:, None]
+        mask_w = tl.full([BLOCK_W], True, tl.int1) if EVEN_K else offs_w < w_end
+        if PREFETCH:  # this step's tiles came in the last step; the next step's go out now
+            next_words, next_s, next_z = _w4a16_gemv_step_loads(q_ptr, s_ptr, z_ptr, offs_n, mask_n, w0 + BLOCK_W,
+                                                                w_end, words_per_group, stride_qn, stride_sn,
+                                                                BLOCK_W, False)
         else:
-            mask_w = offs_w < w_end
-            mask = mask_n[:, None] & mask_w[None, :]
-        words = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_w[None, :], mask=mask, other=0,
-                        eviction_policy="evict_first")  # [BLOCK_N, BLOCK_W] int32
+            words, s, z = _w4a16_gemv_step_loads(q_ptr, s_ptr, z_ptr, offs_n, mask_n, w0, w_end, words_per_group,
+                                                 stride_qn, stride_sn, BLOCK_W, EVEN_K)
         high = words >> 12  # nibbles 5, 6, 7 at bits 8, 12, 16
         dot = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
         xsum = tl.zeros([BLOCK_W], dtype=tl.float32)
@@ -174,10 +199,9 @@ def _w4a16_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, k_per_part
             xi = tl.load(x_ptr + offs_w * 8 + i, mask=mask_w, other=0.0).to(tl.float32)  # [BLOCK_W]
             dot += _nibble(words, high, i) * xi[None, :]
             xsum += xi
-        g_off = offs_n[:, None] * stride_sn + (offs_w // words_per_group)[None, :]
-        s = tl.load(s_ptr + g_off, mask=mask & mask_w[None, :], other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g_off, mask=mask & mask_w[None, :], other=0.0).to(tl.float32)
         acc += s * (dot - z * xsum[None, :])
+        if PREFETCH:
+            words, s, z = next_words, next_s, next_z
     out = tl.sum(acc, axis=1)  # [BLOCK_N]
     if HAS_BIAS:
         out += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -296,8 +320,8 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         _w4a16_gemv_kernel[(triton.cdiv(n, cfg.block_n), parts)](
             x, qweight, scales, zeros, bias if bias is not None else scales, out, n, k_per_part, group_size,
             qweight.stride(0), scales.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n,
-            BLOCK_W=cfg.block_k // PACK, EVEN_K=k_per_part % cfg.block_k == 0, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages)
+            BLOCK_W=cfg.block_k // PACK, EVEN_K=k_per_part % cfg.block_k == 0, PREFETCH=cfg.num_stages > 1,
+            num_warps=cfg.num_warps, num_stages=1)
         return out[0] if parts == 1 else out
     grid = (triton.cdiv(num_tokens, cfg.block_m), triton.cdiv(n, cfg.block_n), parts)
     if cfg.block_k == group_size and is_group_tiled(group_size):
