@@ -578,12 +578,10 @@ def fp8_gemv_sweep(shapes: Shapes = LLAMA3_8B, timer: Timer = graph_timer, max_c
     return {"rows": t.rows, "best": best}
 
 
-# One token: rows x columns x warps x stages, where stages 2 means the kernel's register prefetch of the next step's
-# loads (Triton's num_stages leaves this kernel's SASS unchanged). The first sweep (no prefetch) left the kernel at
-# 0.29-0.41 of copy with issue slots to spare (~0.84 ms of instructions a batch-1 step against 3.4 ms), so loads in
-# flight are the suspect: the prefetch, and narrower tiles (fewer registers a thread, more warps an SM).
-W4A16_TILES = tuple((1, bn, bk, w, s) for bn in (4, 8, 16) for bk in (512, 1024, 2048) for w in (4, 8)
-                    for s in (1, 2))
+# One token: rows x columns x warps. The kernel reaches 0.29-0.41 of copy with issue slots to spare (~0.84 ms of
+# instructions a batch-1 step against 3.4 ms), so loads in flight are the suspect; narrower tiles (fewer registers a
+# thread, more warps an SM) are swept. (A register prefetch of the next step's loads lost at every tile: removed.)
+W4A16_TILES = tuple((1, bn, bk, w) for bn in (4, 8, 16) for bk in (512, 1024, 2048) for w in (4, 8))
 W4A16_TOKENS = (8, 32, 64, 128, 256)  # the sweep's multi-token rows: decode batches and a prefill chunk
 
 

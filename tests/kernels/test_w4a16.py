@@ -81,8 +81,7 @@ def test_w4a16_one_token_in_bf16(group_size):
 @pytest.mark.parametrize("num_tokens,config", [
     (1, w4.W4A16Config(1, 8, 32, 4)),  # a block of K inside one group: one scale a row
     (1, w4.W4A16Config(1, 8, 64, 4)),  # a block spanning groups: each column gathers its group's
-    (1, w4.W4A16Config(1, 8, 32, 4, 2)),  # the next step's loads prefetched (K = 96: three steps, the last masked)
-    (1, w4.W4A16Config(1, 8, 64, 4, 2)),  # prefetched, and a step past the end of K (masked)
+    (1, w4.W4A16Config(1, 8, 64, 4)),  # K = 96: a step past the end of K (masked)
     (5, w4.W4A16Config(16, 16, 32, 4)),
     (5, w4.W4A16Config(16, 16, 128, 4)),  # wider than K = 96: masked columns and words
     (21, w4.W4A16Config(16, 32, 32, 4)),  # two M blocks, the last part-filled
@@ -161,8 +160,7 @@ def _compile_default_tiles_for_sm90(out_dir: str) -> None:
         for one_group in variants:
             if m == 1:
                 fn = w4._w4a16_gemv_kernel
-                consts = {"HAS_BIAS": True, "BLOCK_N": cfg.block_n, "BLOCK_W": cfg.block_k // w4.PACK, "EVEN_K": True,
-                          "PREFETCH": cfg.num_stages > 1}
+                consts = {"HAS_BIAS": True, "BLOCK_N": cfg.block_n, "BLOCK_W": cfg.block_k // w4.PACK, "EVEN_K": True}
             elif one_group == "group":
                 cfg = w4.config_for(m, 4096, k, group_size=128)
                 fn = w4._w4a16_group_kernel

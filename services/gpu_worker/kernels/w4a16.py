@@ -1,5 +1,5 @@
 """INT4 weight-only matmuls (W4A16, issue 25): y [M, N] = x [M, K] @ Wᵀ with W held as 4-bit integers, dequantized
-in registers tile by tile up to 255 tokens, and to a temporary float W for cuBLAS from 256.
+in registers tile by tile up to 16 tokens, and to a temporary float W for cuBLAS from 17.
 
 The layout (internal; the loader converts AWQ and GPTQ checkpoints into it):
 - qweight int32 [N, K // 8], packed along K: nibble i of word j (bits 4i..4i+3, unsigned 0..15) holds k = 8j + i;
@@ -15,19 +15,22 @@ kernel_table --w4a16-sweep, 2026-12-06):
   per weight; 4.43 ms (2.76x its 1.61 ms roofline, 84 % of it this kernel) with shift, mask, OR and FADD per nibble;
   LOP3 + FFMA took the projections 2-5 % less (0.29-0.41 of copy bandwidth): neither the integer instructions nor
   the bytes bound it; loads in flight are the suspect (12 warps an SM at 168 registers, each step's loads waited for
-  before its arithmetic). W4A16Config.num_stages 2 prefetches the next step's loads in registers (untimed; Triton's
-  own num_stages leaves this kernel unchanged). Unsolved.
+  before its arithmetic). A register prefetch of the next step's loads (issued before this step's arithmetic) was
+  slower at every tile on the H100 (gate_up 52.6 -> 80.0 µs at 8 x 2048) and is gone; Triton's own num_stages leaves
+  this kernel unchanged. Unsolved.
 - 2..16 tokens, groups of ≥ 128 columns (AWQ and GPTQ as published): _w4a16_group_kernel, the nibbles as integers
   on the tensor cores, a group a step, its scale and zero applied once to the group's [BLOCK_M, BLOCK_N] sums; split
   along K (split_for) where the tiles alone would leave SMs idle. At 8 tokens 1.9-3.4x faster than the dequantizing
-  tile; at 64 rows a tile it was slower than that tile, so it stops at 16 tokens.
-- 17..DEQUANT_MIN_TOKENS - 1 tokens, and 2..16 with other groups (32, 64): the dequantizing dot tile
+  tile and 1.5x faster than dequantize-then-cuBLAS (261 against 384 µs a layer); at 64 rows a tile it was slower
+  than the dequantizing tile, so it stops at 16 tokens.
+- 2..16 tokens with other groups (32, 64): the dequantizing dot tile
   (_w4a16_kernel): each program dequantizes its [BLOCK_N, BLOCK_K] tile of W to x's dtype in registers (unpack by
   broadcasting each word against the shifts 0, 4, .., 28, then reshape [BLOCK_N, BLOCK_K // 8, 8] to [BLOCK_N,
-  BLOCK_K], nibble i of word j at column 8j + i) and multiplies it by BLOCK_M rows of x. 4.5-9x bf16 cuBLAS at 64
-  tokens: the model's batched decode in INT4 is slow.
-- DEQUANT_MIN_TOKENS (256) tokens and more, prefill chunks included: W dequantized to x's dtype by one streaming kernel
-  (w4a16_dequantize), then cuBLAS; the float W is a temporary of the call.
+  BLOCK_K], nibble i of word j at column 8j + i) and multiplies it by BLOCK_M rows of x. Its larger tiles (config_for
+  past 16 tokens) serve direct w4a16_matmul calls and the sweep only: 4.5-9x bf16 cuBLAS at 64 tokens.
+- DEQUANT_MIN_TOKENS (17) tokens and more, batched decode and prefill chunks: W dequantized to x's dtype by one
+  streaming kernel (w4a16_dequantize), then cuBLAS; the float W is a temporary of the call. A layer of Llama-3.1-8B
+  at 32 / 64 / 128 tokens: 385 / 386 / 398 µs against the dequantizing tile's 751 / 767 / 945 (bf16 cuBLAS: 175).
 """
 from __future__ import annotations
 
@@ -39,11 +42,11 @@ import triton.language as tl
 
 DECODE_MAX_TOKENS = 16  # M up to this takes the decode (GEMV) tile; larger M the GEMM tile: see the module docstring
 GROUP_TILE_MIN = 128  # columns: tl.dot's K is at least 16 words of 8 nibbles
-# From this many tokens, dequantize W to x's dtype (one streaming kernel) and call cuBLAS: the dot tile ran gate_up
-# at 256 tokens in 516 µs (~116 TFLOP/s) where cuBLAS on bf16 weights took 104 µs, and writing then reading the
-# float weight costs ~4.5 bytes a weight, ~0.2 ms for gate_up at the H100's 3 TB/s. Below 256 the tile's 199 µs at
-# 64 tokens beats that ~0.3 ms. The crossover is reasoned from those two measured rows, not itself timed.
-DEQUANT_MIN_TOKENS = 256
+# From this many tokens, dequantize W to x's dtype (one streaming kernel) and call cuBLAS. Timed on the H100
+# (kernel_table --w4a16-sweep, 2026-12-06, Llama-3.1-8B's qkv / o / gate_up / down summed): at 8 tokens the group
+# kernel 261 µs, dequantize-then-cuBLAS 384; at 32, 64 and 128 tokens the dequantizing tile 751 / 767 / 945 µs,
+# dequantize-then-cuBLAS 385 / 386 / 398. So the group kernel ends where dequantizing begins.
+DEQUANT_MIN_TOKENS = DECODE_MAX_TOKENS + 1
 MAX_PARTS = 8  # split-K slices at most (each writes an fp32 partial [M, N])
 PACK = 8  # nibbles a packed int32 word holds
 MAGIC_BITS = tl.constexpr(0x4B000000)  # the float 2^23's bits: a nibble OR'd into its mantissa reads 2^23 + q
@@ -55,7 +58,7 @@ class W4A16Config(NamedTuple):
     block_n: int
     block_k: int  # a multiple of PACK
     num_warps: int
-    num_stages: int = 1  # one token: ≥ 2 prefetches the next step's loads in registers (PREFETCH), Triton runs 1
+    num_stages: int = 1  # Triton's software pipelining of the dot kernels (the one-token kernel runs 1)
 
 
 def is_group_tiled(group_size: int) -> bool:
@@ -65,7 +68,7 @@ def is_group_tiled(group_size: int) -> bool:
 
 
 def config_for(num_tokens: int, n: int, k: int, parts: int = 1, group_size: int | None = None) -> W4A16Config:
-    """The tile for a call of up to DEQUANT_MIN_TOKENS - 1 tokens (past that: dequantize, then cuBLAS). Measured on an
+    """The tile for a call of up to DEQUANT_MIN_TOKENS - 1 tokens (w4a16_linear dequantizes past that). Measured on an
     H100 with kernel_table --w4a16-sweep (2026-12-06, Llama-3.1-8B's projections, groups of 128):
     - one token: 8 rows by up to 2048 columns over 4 warps, the fastest for o, gate_up and down (10.3, 50.2, 29.6 µs;
       qkv's best, 8 x 1024, 3 % faster). Each program reads x as 8 strided passes (x[8j + i] for each nibble i), so
@@ -74,8 +77,8 @@ def config_for(num_tokens: int, n: int, k: int, parts: int = 1, group_size: int 
       warps, block_k the group. At 8 tokens it took 45.6 / 26.2 / 113.4 / 76.9 µs (qkv / o / gate_up / down): 1.3-2x
       bf16 cuBLAS, and 1.9-3.4x faster than the dequantizing tile. At 64 and 256 tokens (64 and 128 rows) it was
       2.5-5x slower than that tile, so it stops at 16.
-    - otherwise the dequantizing dot tile: gemv.py's 16 x 16 x 256 up to 16 tokens, 64 x 128 x 64 over 8 warps up to
-      64, else 128 x 128 x 32: 4.5-9x bf16 cuBLAS at 64 tokens.
+    - otherwise the dequantizing dot tile: gemv.py's 16 x 16 x 256 up to 16 tokens; past that (not served:
+      w4a16_linear dequantizes from 17 tokens) 64 x 128 x 64 over 8 warps up to 64, else 128 x 128 x 32.
     ptxas for sm_90 fits every default tile without spilling (tests/kernels/test_w4a16.py checks it offline)."""
     width = triton.next_power_of_2(max(16, k // parts))
     if num_tokens == 1:
@@ -163,14 +166,12 @@ def _w4a16_gemv_step_loads(q_ptr, s_ptr, z_ptr, offs_n, mask_n, w0, w_end, words
 @triton.jit
 def _w4a16_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, k_per_part, group_size, stride_qn, stride_sn,
                        stride_op, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                       EVEN_K: tl.constexpr, PREFETCH: tl.constexpr = False):
+                       EVEN_K: tl.constexpr):
     """One token: out[part, 0, n] = Σ_k x[k] w[n, k] over the part's slice of K, BLOCK_W packed words (8·BLOCK_W
     columns) of BLOCK_N rows a step. Per word, Σ_k (q − z)·s·x = s·(Σ_i q_i·x_{8j+i} − z·Σ_i x_{8j+i}): nibble i of
     every word multiplies the strided x[8j + i] (no reshape of the unpacked tile), and the word's group scale and
     zero (gathered per word, an eighth of the weights) apply once to the word's sums. EVEN_K: the part's words are
-    a whole number of BLOCK_W, so no column mask (the rows' words then load as 16-byte vectors). PREFETCH: each step
-    issues the next step's word, scale and zero loads before its arithmetic, so their DRAM latency overlaps it
-    (Triton's num_stages does not pipeline loads that feed no dot: this kernel's SASS is the same at 1, 2 and 3)."""
+    a whole number of BLOCK_W, so no column mask (the rows' words then load as 16-byte vectors)."""
     pid_n = tl.program_id(0)
     part = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -179,19 +180,11 @@ def _w4a16_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, k_per_part
     w_end = w_lo + k_per_part // 8
     words_per_group = group_size // 8
     acc = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
-    if PREFETCH:
-        words, s, z = _w4a16_gemv_step_loads(q_ptr, s_ptr, z_ptr, offs_n, mask_n, w_lo, w_end, words_per_group,
-                                             stride_qn, stride_sn, BLOCK_W, EVEN_K)
     for w0 in range(w_lo, w_end, BLOCK_W):
         offs_w = w0 + tl.arange(0, BLOCK_W)
         mask_w = tl.full([BLOCK_W], True, tl.int1) if EVEN_K else offs_w < w_end
-        if PREFETCH:  # this step's tiles came in the last step; the next step's go out now
-            next_words, next_s, next_z = _w4a16_gemv_step_loads(q_ptr, s_ptr, z_ptr, offs_n, mask_n, w0 + BLOCK_W,
-                                                                w_end, words_per_group, stride_qn, stride_sn,
-                                                                BLOCK_W, False)
-        else:
-            words, s, z = _w4a16_gemv_step_loads(q_ptr, s_ptr, z_ptr, offs_n, mask_n, w0, w_end, words_per_group,
-                                                 stride_qn, stride_sn, BLOCK_W, EVEN_K)
+        words, s, z = _w4a16_gemv_step_loads(q_ptr, s_ptr, z_ptr, offs_n, mask_n, w0, w_end, words_per_group,
+                                             stride_qn, stride_sn, BLOCK_W, EVEN_K)
         high = words >> 12  # nibbles 5, 6, 7 at bits 8, 12, 16
         dot = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
         xsum = tl.zeros([BLOCK_W], dtype=tl.float32)
@@ -200,8 +193,6 @@ def _w4a16_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, k_per_part
             dot += _nibble(words, high, i) * xi[None, :]
             xsum += xi
         acc += s * (dot - z * xsum[None, :])
-        if PREFETCH:
-            words, s, z = next_words, next_s, next_z
     out = tl.sum(acc, axis=1)  # [BLOCK_N]
     if HAS_BIAS:
         out += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -320,7 +311,7 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         _w4a16_gemv_kernel[(triton.cdiv(n, cfg.block_n), parts)](
             x, qweight, scales, zeros, bias if bias is not None else scales, out, n, k_per_part, group_size,
             qweight.stride(0), scales.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n,
-            BLOCK_W=cfg.block_k // PACK, EVEN_K=k_per_part % cfg.block_k == 0, PREFETCH=cfg.num_stages > 1,
+            BLOCK_W=cfg.block_k // PACK, EVEN_K=k_per_part % cfg.block_k == 0,
             num_warps=cfg.num_warps, num_stages=1)
         return out[0] if parts == 1 else out
     grid = (triton.cdiv(num_tokens, cfg.block_m), triton.cdiv(n, cfg.block_n), parts)
