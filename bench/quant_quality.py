@@ -58,7 +58,7 @@ VARIANTS = {
     "int4_awq_gptq": "activation-aware scales folded in, then int4_gptq_act_order",
     "int4_rtn_g32": "diagnostic: int4_rtn with groups of 32",
     "int4_awq_clip": "what `radixserve quantize --method awq` writes (quant/writer.py quantize_for_checkpoint_): AWQ "
-                     "scales, each group's range clipped by the searched ratio (quant/clip.py), INT4 RTN in one group "
+                     "scales, each end of each group's range clipped by its searched ratio (quant/clip.py), INT4 RTN in one group "
                      "size for every layer (--group-size's gcd with every K), fp16 scales, in memory",
     "int4_awq_clip_g32": "int4_awq_clip in groups of 32",
     "int4_awq_g32": "diagnostic: int4_awq_clip in groups of 32 without the clip search",

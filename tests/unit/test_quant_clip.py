@@ -1,5 +1,5 @@
 """The INT4 clip search (quant/clip.py): it never makes a row's calibration output error worse than plain RTN, it
-clips the group of a large weight on a quiet input channel, and `radixserve quantize`'s AWQ path (clip on) clamps
+clips the group of a large weight on a quiet input channel, it clips each end of a group's range on its own, and `radixserve quantize`'s AWQ path (clip on) clamps
 weights and lowers the quantized model's error on its calibration text."""
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def test_no_row_error_exceeds_plain_rtn_and_some_group_is_clipped() -> None:
         x, w = _layer(seed)
         gram = x.T @ x
         ratios = search_clip(w, gram, 32, max_rows=16)  # three row blocks
-        assert ratios.shape == (48, 4) and bool(torch.isin(ratios, torch.tensor(CLIP_RATIOS)).all())
+        assert ratios.shape == (48, 4, 2) and bool(torch.isin(ratios, torch.tensor(CLIP_RATIOS)).all())
         clipped_error = row_errors(clip_delta(w, ratios, 32), gram)  # [48]
         plain_error = row_errors(clip_delta(w, torch.ones_like(ratios), 32), gram)
         assert bool((clipped_error <= plain_error).all())
@@ -37,12 +37,24 @@ def test_a_large_weight_on_a_quiet_channel_is_clipped() -> None:
     x[:, 5] *= 1e-3  # channel 5 barely reaches the output
     w[0, 5] = 40.0  # ~13x the rest of its group: plain RTN's steps would be ~13x too coarse for them
     ratios = search_clip(w, x.T @ x, 32)
-    assert ratios[0, 0] == 0.5  # the smallest ratio there is: the clamp costs nothing through channel 5
+    assert ratios[0, 0, 1] == 0.5  # the smallest ratio there is: the clamp costs nothing through channel 5
     linear = torch.nn.Linear(128, 48, bias=False)
     with torch.no_grad():
         linear.weight.copy_(w)
     assert torch.equal(clip_linear_(linear, x, 32), ratios)
     assert linear.weight[0, 5].item() == 20.0 and torch.equal(linear.weight.detach(), clipped(w, ratios, 32))
+
+
+def test_each_end_of_a_groups_range_is_clipped_on_its_own() -> None:
+    x, w = _layer(0)
+    x[:, 5] *= 1e-3  # channel 5 barely reaches the output: its large weight may be clamped
+    x[:, 6] *= 10.0  # channel 6 is loud: its large negative weight must keep its value
+    w[0, 5], w[0, 6] = 40.0, -40.0
+    ratios = search_clip(w, x.T @ x, 32)
+    assert ratios[0, 0, 1] <= 0.6 and ratios[0, 0, 0] >= 0.9, ratios[0, 0]  # high end clipped, low end (nearly) kept
+    gram = x.T @ x
+    symmetric = min(row_errors(clip_delta(w[:1], torch.full((1, 4), r), 32), gram).item() for r in CLIP_RATIOS)
+    assert row_errors(clip_delta(w[:1], ratios[:1], 32), gram).item() < 0.9 * symmetric
 
 
 def test_the_writers_awq_path_clips_and_lowers_the_calibration_error() -> None:

@@ -4,8 +4,8 @@ they are (quant/checkpoint.py) instead of calibrating on load.
     fp8   compressed-tensors FP8-Dynamic: <layer>.weight e4m3 [N, K], <layer>.weight_scale float32 [N, 1];
           calibration "gptq" (quant/gptq.py gptq_quantize_fp8, act-order, layer by layer) or "rtn"
     awq   AutoAWQ GEMM INT4: <layer>.qweight, .qzeros, .scales (fp16); calibration "awq" (activation-aware scales
-          folded into the norms and v/up rows, quant/awq.py, each group's range clipped by the ratio quant/clip.py
-          searches, then round to nearest) or "rtn"
+          folded into the norms and v/up rows, quant/awq.py, each end of each group's range clipped by the ratio
+          quant/clip.py searches, then round to nearest) or "rtn"
     gptq  GPTQ v1 INT4: <layer>.qweight, .qzeros, .scales (fp16), .g_idx; calibration "gptq" (act-order) or "rtn"
 
 Every other tensor (embeddings, norms, folded or not, the LM head) is written dense, in the source checkpoint's dtype,
