@@ -54,4 +54,3 @@ def test_greedy_answers_on_the_gpu_equal_a_server_without_speculation(plain_gpu:
     kwargs = dict(model=MODEL, messages=_messages(code, ask), temperature=0, max_tokens=64)
     assert _streamed(spec_gpu, **kwargs) == _streamed(plain_gpu, **kwargs)
     assert _wait_for_accepted(spec_gpu, before)  # drafts were accepted: the verify path ran
-

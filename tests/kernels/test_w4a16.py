@@ -80,8 +80,7 @@ def test_w4a16_one_token_in_bf16(group_size):
 
 @pytest.mark.parametrize("num_tokens,config", [
     (1, w4.W4A16Config(1, 8, 32, 4)),  # a block of K inside one group: one scale a row
-    (1, w4.W4A16Config(1, 8, 64, 4)),  # a block spanning groups: each column gathers its group's
-    (1, w4.W4A16Config(1, 8, 64, 4)),  # K = 96: a step past the end of K (masked)
+    (1, w4.W4A16Config(1, 8, 64, 4)),  # spanning groups (a scale gathered per column); K = 96: a masked step
     (5, w4.W4A16Config(16, 16, 32, 4)),
     (5, w4.W4A16Config(16, 16, 128, 4)),  # wider than K = 96: masked columns and words
     (21, w4.W4A16Config(16, 32, 32, 4)),  # two M blocks, the last part-filled

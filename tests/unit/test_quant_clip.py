@@ -1,6 +1,7 @@
 """The INT4 clip search (quant/clip.py): it never makes a row's calibration output error worse than plain RTN, it
-clips the group of a large weight on a quiet input channel, it clips each end of a group's range on its own, and `radixserve quantize`'s AWQ path (clip on) clamps
-weights and lowers the quantized model's error on its calibration text."""
+clips the group of a large weight on a quiet input channel, it clips each end of a group's range on its own, and
+`radixserve quantize`'s AWQ path (clip on) clamps weights and lowers the quantized model's error on its calibration
+text."""
 from __future__ import annotations
 
 import torch
@@ -53,7 +54,7 @@ def test_each_end_of_a_groups_range_is_clipped_on_its_own() -> None:
     ratios = search_clip(w, x.T @ x, 32)
     assert ratios[0, 0, 1] <= 0.6 and ratios[0, 0, 0] >= 0.9, ratios[0, 0]  # high end clipped, low end (nearly) kept
     gram = x.T @ x
-    symmetric = min(row_errors(clip_delta(w[:1], torch.full((1, 4), r), 32), gram).item() for r in CLIP_RATIOS)
+    symmetric = min(row_errors(clip_delta(w[:1], torch.full((1, 4, 2), r), 32), gram).item() for r in CLIP_RATIOS)
     assert row_errors(clip_delta(w[:1], ratios[:1], 32), gram).item() < 0.9 * symmetric
 
 

@@ -32,17 +32,16 @@ def group_ranges(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.
 
 
 def clipped(w: torch.Tensor, ratios: torch.Tensor, group_size: int) -> torch.Tensor:
-    """w [N, K] with each group clamped to `ratios` [N, K // G] times its range → [N, K]; ratios [N, K // G, 2]: the
-    low end of each group's range by ratios[..., 0], the high end by ratios[..., 1]."""
+    """w [N, K] with each group's range clamped by `ratios` [N, K // G, 2] → [N, K]: the low end of each group's range
+    times ratios[..., 0], the high end times ratios[..., 1]."""
     low, high = group_ranges(w, group_size)
-    r_low, r_high = (ratios[..., None], ratios[..., None]) if ratios.dim() == 2 else (ratios[..., :1], ratios[..., 1:])
+    r_low, r_high = ratios[..., :1], ratios[..., 1:]
     groups = w.reshape(w.shape[0], -1, group_size)
     return torch.maximum(torch.minimum(groups, high * r_high), low * r_low).reshape(w.shape)
 
 
 def clip_delta(w: torch.Tensor, ratios: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Q(w clipped to `ratios` ([N, K // G] or [N, K // G, 2], as clipped's)) − w [N, K] float32, Q the INT4 RTN in
-    groups of G."""
+    """Q(w clipped to `ratios` [N, K // G, 2], as clipped's) − w [N, K] float32, Q the INT4 RTN in groups of G."""
     return dequantize_int4(quantize_int4(clipped(w, ratios, group_size), group_size)).float() - w
 
 
