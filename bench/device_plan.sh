@@ -5,7 +5,7 @@
 #   bash bench/device_plan.sh R PLAN      R: the carried tree's root (for .tok); PLAN: a | b | c
 # a: speculation served on CUDA and its replay ratios (issue 26), the structured-output mask's step cost (issue 29),
 #    the MoE batch-1 step against its roofline (issue 27).
-# b: the MoE model served, W0 and W1 (issue 27), and the two-stream overlap probe (issue 24).
+# b: the MoE model served, W0 and W1 (issue 27), and the AWQ step at 64 sequences on dequantize-then-cuBLAS (issue 25).
 # c: the served W1, W0 and W6 of Llama-3.1-8B with serve's defaults (issue 24).
 set -u
 R=$1 plan=$2
