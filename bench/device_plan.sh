@@ -22,8 +22,8 @@ case "$plan" in
         ;;
     b)
         bash bench/device_steps.sh 570 \
-            "overlap|70|python -m bench.overlap_probe --batch 368 256 --context 1500 --out $S/overlap.json" \
-            "servemoe|480|SUITE_TIMEOUT_S=470 bash bench/served_gpu.sh moe w0,w1 --serve-args '--model random:qwen3-30b-a3b --device cuda'"
+            "servemoe|440|SUITE_TIMEOUT_S=430 bash bench/served_gpu.sh moe w0,w1 --serve-args '--model random:qwen3-30b-a3b --device cuda'" \
+            "awq|110|python -m bench.model_speed --presets llama3-8b@awq --out $S/ms_awq"
         ;;
     c)
         SUITE_TIMEOUT_S=545 bash bench/served_gpu.sh r1 w1,w0,w6 --w6-duration-s 300 --w6-concurrency 512
