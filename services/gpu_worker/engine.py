@@ -24,6 +24,7 @@ from services.gpu_worker.radix_cache import RadixCache
 from services.gpu_worker.request import FinishReason, SamplingParams, TokenLogprob, TokenOutput
 from services.gpu_worker.sampler import SampledBatch, Sampler, make_generator, needs_history
 from services.gpu_worker.sequence import SeqStatus, Sequence
+from services.gpu_worker.spec.adaptive import DraftCosts
 from services.gpu_worker.spec.engine_step import Speculator, make_proposer
 from services.gpu_worker.spec.verify import Verified
 from services.gpu_worker.staging import to_device
@@ -134,7 +135,8 @@ class Engine:
         self.is_overlapped = config.resolved_overlap()
         self.speculator = None if config.speculative_method is None else Speculator(
             make_proposer(config, self.model_config, self.tokenizer, self.num_pages, Engine), config.num_speculative_tokens,
-            config.speculative_max_batch_size, lambda: self.metrics)
+            config.speculative_max_batch_size, lambda: self.metrics,
+            DraftCosts.for_engine(self.device.type, self.is_overlapped))
         self._launched: LaunchedStep | None = None
         self.warmup_seconds = self.warm_up() if config.resolved_warmup(self.backend.name) else 0.0
 

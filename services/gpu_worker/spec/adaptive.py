@@ -1,61 +1,127 @@
-"""Adaptive k: how many draft tokens to ask for, per sequence, from how its last proposals and verifications went.
+"""Adaptive drafting: which sequences draft in a step, and how many tokens each asks for, from what drafts have
+earned and what they cost.
 
-Pure core. A draft the target rejects costs a forward position for nothing, so a sequence whose drafts keep failing
-asks for fewer: k halves after a step that accepted none, down to 0 (plain decoding). A step that accepted every
-draft doubles k (up to max_k); one that accepted some sets k to one more than it accepted.
+Pure core. Two estimates and two costs:
+- Acceptance, per sequence: the chance that its first draft is accepted (p1), and that a draft after an accepted one
+  is (pc). Each is a decayed count over the sequence's verifications (the recent ones weigh most), started from an
+  even prior. The two are kept apart because prompt-lookup drafts come in runs: a copied passage goes on or it does
+  not, so pc is often well above p1.
+- Cost, per engine (DraftCosts): a step that verifies drafts costs `step` more than a plain step, in plain steps (on
+  CUDA the host work that a drafting step cannot overlap, and the verify graph's padding), and each draft token costs
+  `token` more, in tokens of the step's throughput (small where a step is bound by reading the weights, large where
+  it is bound by compute).
 
-A proposal that found nothing (no n-gram match) says nothing about acceptance and leaves k as it is, but it still
-costs the step its overlap (the engine reads the launched step's tokens before proposing); so after
-max_empty_proposals of them in a row the sequence backs off too, keeping its k for the probe.
-
-A backed-off sequence waits, then probes once (with k, or 1 where k fell to 0). Each back-off in a row without an
-accepted draft doubles the wait, from probe_interval_steps up to max_wait_steps: a sequence whose drafts never land
-costs a probe ever more rarely, so it decodes nearly as a plain engine does.
+A sequence asks for the k that maximises its expected accepted drafts, p1 · (1 + pc + ... + pc^(k-1)), less k · token:
+draft j is worth p1 · pc^(j-1). A step drafts only where its sequences' expected gains together exceed `step` times
+the decodes in it; otherwise every decode of the step would pay the step's cost for the few that gain. A sequence
+that expects no gain, that a step's shortfall stops, or whose proposals found nothing max_empty_proposals times in a
+row, backs off: it waits, then probes once. Each back-off in a row without an accepted draft doubles the wait, from
+probe_interval_steps up to max_wait_steps, so a sequence whose drafts never land costs a probe ever more rarely.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DEFAULT_PROBE_INTERVAL_STEPS = 16
 DEFAULT_MAX_WAIT_STEPS = 64
 DEFAULT_MAX_EMPTY_PROPOSALS = 4
+DECAY = 0.8  # each verification's weight against the one after it (about five verifications carry the estimate)
+# (accepted, tried) before any verification: first drafts even, later ones hopeful, so that a new sequence drafts
+# several tokens and measures how far its runs go (with one draft a step, `later` would never be observed)
+PRIOR_FIRST = (1.0, 2.0)
+PRIOR_LATER = (3.0, 4.0)
+
+
+@dataclass(frozen=True)
+class DraftCosts:
+    """What drafting costs beside a plain step (module docstring).
+
+    Measured:
+    - CUDA, overlap mode (Llama-3.1-8B shapes, H100, bench.spec_decode --proposer replay, 2026-12-06): a step that
+      verified 3-4 drafts a sequence took 1.25x (batch 1) and 1.29x (batch 8) a plain step, and the same time with 2.9
+      drafts a sequence as with 3.7 (the verify graph is padded to k), so step 0.3, token 0.02; serial, a step has
+      no overlap to lose: step 0.05.
+    - CPU (the bundled 135M model, bench.spec_decode --device cpu, 2026-12-05): a step verifying about four drafts
+      cost about 2.3x a plain step, and the CPU runs a step's work as it is launched: step 0.05, token 0.3.
+    """
+
+    step: float
+    token: float
+
+    @classmethod
+    def for_engine(cls, device_type: str, overlapped: bool) -> DraftCosts:
+        if device_type == "cuda":
+            return cls(0.3 if overlapped else 0.05, 0.02)
+        return cls(0.05, 0.3)  # on the CPU a step's work runs as it is launched: overlap hides little
 
 
 @dataclass
 class DraftBudget:
-    """One sequence's draft length: k now; while waiting, the steps left before a probe."""
+    """One sequence's acceptance estimates and back-off state."""
 
-    k: int
-    num_wait_steps: int = 0
+    first: list[float] = field(default_factory=lambda: list(PRIOR_FIRST))  # [accepted, tried] of first drafts
+    later: list[float] = field(default_factory=lambda: list(PRIOR_LATER))  # [accepted, tried] of drafts after an accepted one
+    num_wait_steps: int = 0  # steps left before its probe is due
     last_wait_steps: int = 0  # the last wait's length, 0 once a draft is accepted: the next wait doubles it
     num_empty_proposals: int = 0  # in a row
+    is_backed_off: bool = False  # waiting for its probe
+
+    def rates(self) -> tuple[float, float]:
+        return self.first[0] / self.first[1], self.later[0] / self.later[1]
 
 
 class AdaptiveK:
-    def __init__(self, max_k: int, probe_interval_steps: int = DEFAULT_PROBE_INTERVAL_STEPS,
-                 max_wait_steps: int = DEFAULT_MAX_WAIT_STEPS,
+    def __init__(self, max_k: int, costs: DraftCosts = DraftCosts(0.3, 0.02),
+                 probe_interval_steps: int = DEFAULT_PROBE_INTERVAL_STEPS, max_wait_steps: int = DEFAULT_MAX_WAIT_STEPS,
                  max_empty_proposals: int = DEFAULT_MAX_EMPTY_PROPOSALS) -> None:
         if max_k < 1 or probe_interval_steps < 1 or max_empty_proposals < 1:
             raise ValueError("need max_k, probe_interval_steps and max_empty_proposals >= 1, got "
                              f"{max_k}, {probe_interval_steps}, {max_empty_proposals}")
-        self.max_k, self.max_empty_proposals = max_k, max_empty_proposals
+        self.max_k, self.costs, self.max_empty_proposals = max_k, costs, max_empty_proposals
         self.probe_interval_steps, self.max_wait_steps = probe_interval_steps, max(max_wait_steps, probe_interval_steps)
 
     def new_budget(self) -> DraftBudget:
-        return DraftBudget(self.max_k)
+        return DraftBudget()
 
-    def next_k(self, budget: DraftBudget) -> int:
-        """The drafts to ask for this step (a step of a waiting sequence counts down to its probe)."""
-        if budget.num_wait_steps > 0:
-            budget.num_wait_steps -= 1
-            if budget.num_wait_steps > 0:
-                return 0
-            budget.k = max(budget.k, 1)
-        return budget.k
+    def best(self, budget: DraftBudget) -> tuple[int, float]:
+        """(k, gain): the draft count with the most expected accepted drafts less its token cost (at least 1), and
+        that net gain in tokens."""
+        p1, pc = budget.rates()
+        k, gain, worth, total = 1, p1 - self.costs.token, p1, p1
+        for j in range(2, self.max_k + 1):
+            worth *= pc
+            total += worth
+            if total - j * self.costs.token > gain:
+                k, gain = j, total - j * self.costs.token
+        return k, gain
+
+    def plan(self, budgets: list[DraftBudget], num_decoding: int) -> list[int]:
+        """This step's draft count for each of these sequences (0: none), given num_decoding decodes in the step.
+        Call once a step: it counts the steps of the backed-off sequences' waits."""
+        ks = [0] * len(budgets)
+        hopeful: list[tuple[int, int, float]] = []  # (index, k, gain) of the sequences not backed off
+        for i, budget in enumerate(budgets):
+            if budget.is_backed_off:
+                budget.num_wait_steps = max(0, budget.num_wait_steps - 1)
+                if budget.num_wait_steps == 0:  # a probe: drafts whatever the step's sum
+                    budget.is_backed_off = False
+                    ks[i] = self.best(budget)[0]
+                continue
+            k, gain = self.best(budget)
+            if gain <= 0:
+                self._back_off(budget, now=True)
+            else:
+                hopeful.append((i, k, gain))
+        if sum(gain for _, _, gain in hopeful) <= self.costs.step * num_decoding:
+            for i, _, _ in hopeful:
+                self._back_off(budgets[i], now=True)
+        else:
+            for i, k, _ in hopeful:
+                ks[i] = k
+        return ks
 
     def is_waiting(self, budget: DraftBudget) -> bool:
-        """Backed off, and not probing at the next step either."""
-        return budget.num_wait_steps > 1
+        return budget.is_backed_off
 
     def on_proposed(self, budget: DraftBudget, num_drafts: int) -> None:
         """The proposer was asked for drafts and gave num_drafts."""
@@ -67,20 +133,24 @@ class AdaptiveK:
             self._back_off(budget)
 
     def update(self, budget: DraftBudget, num_proposed: int, num_accepted: int) -> None:
-        """A verification of num_proposed drafts accepted num_accepted of them."""
+        """A verification of num_proposed drafts accepted the first num_accepted of them."""
         if num_proposed == 0:
             return
-        if num_accepted == 0:
-            budget.k //= 2
-            if budget.k == 0:
-                self._back_off(budget)
-            return
-        budget.last_wait_steps = 0
-        if num_accepted == num_proposed:
-            budget.k = min(self.max_k, max(2 * budget.k, num_accepted + 1))
-        else:
-            budget.k = min(self.max_k, num_accepted + 1)
+        _observe(budget.first, 1.0 if num_accepted else 0.0, 1.0)
+        later_tried = min(num_accepted + 1, num_proposed) - 1  # drafts 2.. that followed an accepted one
+        if later_tried > 0:
+            _observe(budget.later, float(max(0, num_accepted - 1)), float(later_tried))
+        if num_accepted:
+            budget.last_wait_steps = 0
 
-    def _back_off(self, budget: DraftBudget) -> None:
+    def _back_off(self, budget: DraftBudget, now: bool = False) -> None:
+        """Wait before probing again; now: the wait's first step is the step being planned."""
         wait = self.probe_interval_steps if not budget.last_wait_steps else 2 * budget.last_wait_steps
         budget.num_wait_steps = budget.last_wait_steps = min(wait, self.max_wait_steps)
+        budget.num_wait_steps -= now
+        budget.is_backed_off = True
+
+
+def _observe(counts: list[float], accepted: float, tried: float) -> None:
+    counts[0] = DECAY * counts[0] + accepted
+    counts[1] = DECAY * counts[1] + tried

@@ -24,7 +24,7 @@ from services.gpu_worker.engine_config import SPECULATIVE_METHODS as METHODS, En
 from services.gpu_worker.engine_metrics import EngineMetricsRecorder
 from services.gpu_worker.model.config import ModelConfig
 from services.gpu_worker.sequence import Sequence, SeqStatus
-from services.gpu_worker.spec.adaptive import AdaptiveK, DraftBudget
+from services.gpu_worker.spec.adaptive import AdaptiveK, DraftBudget, DraftCosts
 from services.gpu_worker.spec.draft import DraftProposer
 from services.gpu_worker.spec.ngram import NgramProposer
 from services.gpu_worker.spec.proposer import ProposalRequest, Proposer
@@ -49,12 +49,15 @@ class Speculator:
     """The engine's speculative-decoding state: a proposer, adaptive k, and the sequences drafted this step."""
 
     def __init__(self, proposer: Proposer, max_k: int, max_batch_size: int,
-                 metrics: Callable[[], EngineMetricsRecorder], probe_interval_steps: int | None = None) -> None:
+                 metrics: Callable[[], EngineMetricsRecorder], costs: DraftCosts,
+                 probe_interval_steps: int | None = None) -> None:
         self.proposer = proposer
-        self.adaptive = AdaptiveK(max_k) if probe_interval_steps is None else AdaptiveK(max_k, probe_interval_steps)
+        self.adaptive = (AdaptiveK(max_k, costs) if probe_interval_steps is None
+                         else AdaptiveK(max_k, costs, probe_interval_steps))
         self.max_batch_size = max_batch_size
         self._metrics = metrics  # the engine's recorder (replaced after warm-up)
         self._drafted: list[Sequence] = []
+        self._plan: dict[int, int] | None = None  # this step's draft count by seq_id, until propose() uses it
 
     def _budget(self, seq: Sequence) -> DraftBudget:
         if seq.draft_budget is None:
@@ -69,26 +72,37 @@ class Speculator:
                 and not seq.stops_when_resolved and seq.matcher is None and seq.prompt_logprobs is None
                 and not seq.is_prefill_only)
 
-    def _candidates(self, running: list[Sequence]) -> list[Sequence]:
+    def _candidates(self, running: list[Sequence]) -> tuple[list[Sequence], int]:
+        """The decodes that may draft, and the number of decodes in the step."""
         decoding = [seq for seq in running if seq.num_uncomputed == 1]
         if len(decoding) > self.max_batch_size:
-            return []
-        return [seq for seq in decoding if self.may_speculate(seq)]
+            return [], len(decoding)
+        return [seq for seq in decoding if self.may_speculate(seq)], len(decoding)
+
+    def _planned(self, running: list[Sequence]) -> dict[int, int]:
+        """This step's draft counts (adaptive.py), decided once a step: before the engine reads the launched step's
+        tokens (wants_host_tokens) or, where it reads them anyway, in propose."""
+        if self._plan is None:
+            candidates, num_decoding = self._candidates(running)
+            ks = self.adaptive.plan([self._budget(seq) for seq in candidates], num_decoding)
+            self._plan = {seq.seq_id: k for seq, k in zip(candidates, ks) if k > 0}
+        return self._plan
 
     def wants_host_tokens(self, running: list[Sequence]) -> bool:
-        """Some sequence may get drafts this step: the engine reads the launched step's tokens before proposing (the
-        proposer looks at each sequence's last token). False while every candidate waits (adaptive.py: its drafts
-        failed, or its proposals found nothing, too often), so such a step overlaps as a plain one does."""
-        return any(not self.adaptive.is_waiting(self._budget(seq)) for seq in self._candidates(running))
+        """Some sequence drafts this step: the engine reads the launched step's tokens before proposing (the
+        proposer looks at each sequence's last token). False while no sequence expects drafts to pay for the step's
+        cost, or every candidate waits (adaptive.py), so such a step overlaps as a plain one does."""
+        return bool(self._planned(running))
 
     def propose(self, running: list[Sequence], max_seq_len: int) -> None:
-        """Set this step's drafts: at most k per sequence, fewer where max_tokens or the context ends sooner (every
-        verified row appends up to k + 1 tokens)."""
+        """Set this step's drafts: at most the planned k per sequence, fewer where max_tokens or the context ends
+        sooner (every verified row appends up to k + 1 tokens)."""
         self.end_step()
+        planned, self._plan = self._planned(running), None
         requests, seqs = [], []
-        for seq in self._candidates(running):
-            k = self.adaptive.next_k(self._budget(seq))  # NOTE: ticks a backed-off sequence towards its probe
-            k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1, max_seq_len - seq.num_tokens)
+        for seq in self._candidates(running)[0]:
+            k = min(planned.get(seq.seq_id, 0), seq.params.max_tokens - seq.num_output_tokens - 1,
+                    max_seq_len - seq.num_tokens)
             if k > 0 and not seq.num_pending:
                 requests.append(ProposalRequest(seq.token_ids, k, seq.request_id, seq.index))
                 seqs.append(seq)
