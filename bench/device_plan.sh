@@ -16,9 +16,9 @@ case "$plan" in
     a)
         bash bench/device_steps.sh 570 \
             "tspec|130|python -m pytest -q -m gpu -p no:cacheprovider tests/e2e/test_spec_serve_gpu.py" \
-            "spec|100|python -m bench.spec_decode --device cuda --model random:llama3-8b --proposer replay --alpha 0.8 0 --k 4 --batches 1 8 --rounds 2 --max-tokens 128 --out $S/spec.json" \
+            "spec|130|python -m bench.spec_decode --device cuda --model random:llama3-8b --proposer replay --alpha 0.8 0.5 0 --k 4 --batches 1 8 --rounds 2 --max-tokens 128 --out $S/spec.json" \
             "so|100|python -m bench.structured_output --device cuda --model random:llama3-8b --tokenizer $R/.tok --batches 1 64 --out $S/so.json" \
-            "moe|210|python -m bench.model_speed --presets qwen3-30b-a3b,qwen3-30b-a3b:torch_routing --out $S/ms_moe"
+            "moe|200|python -m bench.model_speed --presets qwen3-30b-a3b,qwen3-30b-a3b:torch_routing --out $S/ms_moe"
         ;;
     b)
         bash bench/device_steps.sh 570 \
