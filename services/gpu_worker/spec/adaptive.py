@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 DEFAULT_PROBE_INTERVAL_STEPS = 16
 DEFAULT_MAX_WAIT_STEPS = 64
 DEFAULT_MAX_EMPTY_PROPOSALS = 4
-DECAY = 0.8  # each verification's weight against the one after it (about five verifications carry the estimate)
+DECAY = 0.9  # each verification's weight against the one after it (about ten verifications carry the estimate)
 # (accepted, tried) before any verification: first drafts even, later ones hopeful, so that a new sequence drafts
 # several tokens and measures how far its runs go (with one draft a step, `later` would never be observed)
 PRIOR_FIRST = (1.0, 2.0)
