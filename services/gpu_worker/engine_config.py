@@ -85,9 +85,10 @@ class EngineConfig:
     # Speculative decoding (spec/): None, "ngram" (prompt lookup: drafts copied from the sequence's own earlier
     # tokens) or "draft" (greedy drafts of speculative_draft_model, a small model with the target's tokenizer, on
     # its own engine and KV pool: spec/draft.py). Each decoding sequence proposes up to num_speculative_tokens drafts
-    # a step (fewer while its drafts are rejected: spec/adaptive.py), verified in one forward; none while more than
-    # speculative_max_batch_size sequences decode at once. Steps with drafts are not overlapped; a decode-only one
-    # replays a verify CUDA graph (cuda_graphs.VerifyGraphs, buckets up to this size), a mixed one runs eager.
+    # a step (as many as its acceptance pays for, none in a step whose gains do not cover its cost: spec/adaptive.py),
+    # verified in one forward; none while more than speculative_max_batch_size sequences decode at once. Steps with
+    # drafts are not overlapped; a decode-only one replays a verify CUDA graph (cuda_graphs.VerifyGraphs, buckets up
+    # to this size), a mixed one runs eager.
     speculative_method: str | None = None
     num_speculative_tokens: int = 4
     speculative_max_batch_size: int = 32
