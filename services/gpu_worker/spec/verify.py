@@ -31,7 +31,7 @@ import torch
 
 from services.gpu_worker.request import TokenLogprob
 from services.gpu_worker.sampler import (GREEDY_EPS, SamplingRow, _exponential_noise, apply_filters,
-                                         apply_penalties, needs_history)
+                                         apply_penalties, changes_logits, needs_history)
 from services.gpu_worker.staging import to_device
 
 
@@ -165,15 +165,18 @@ def verify(logits: torch.Tensor, rows: list[SpecRow]) -> list[Verified]:
                        device).reshape(batch, width)  # [B, K]
     k = to_device(counts, torch.long, device)  # [B]
     scored = torch.arange(positions, device=device) <= k[:, None]  # [B, K+1] the positions each row uses
-    pos_rows = _position_rows(rows)
-    penalized = apply_penalties(logits[scored], pos_rows)  # [N, V] fp32, N = sum(k + 1), row-major
-    argmax = torch.zeros(batch, positions, dtype=torch.long, device=device)  # [B, K+1]
-    argmax[scored] = penalized.argmax(dim=-1)
+    sampled = [i for i, r in enumerate(rows) if not _is_greedy(r)]
+    if sampled or any(changes_logits(r.sampling.params) for r in rows):
+        pos_rows = _position_rows(rows)
+        penalized = apply_penalties(logits[scored], pos_rows)  # [N, V] fp32, N = sum(k + 1), row-major
+        argmax = torch.zeros(batch, positions, dtype=torch.long, device=device)  # [B, K+1]
+        argmax[scored] = penalized.argmax(dim=-1)
+    else:  # greedy rows on raw logits (the common case): no masked gather, whose index the host must first read
+        argmax = logits.float().argmax(dim=-1)  # [B, K+1] (as apply_penalties gives it); positions past k unused
     # greedy: the drafts matching the argmax before the first mismatch, then the argmax there
     valid = scored[:, :-1]  # [B, K]
     nums = ((drafts == argmax[:, :-1]) & valid).long().cumprod(dim=1).sum(dim=1)  # [B]
     tokens = argmax.gather(1, nums.unsqueeze(1)).squeeze(1)  # [B]
-    sampled = [i for i, r in enumerate(rows) if not _is_greedy(r)]
     if sampled:
         flat = [j for j, r in enumerate(pos_rows) if r.params.temperature >= GREEDY_EPS]
         probs = apply_filters(penalized[to_device(flat, torch.long, device)], [pos_rows[j].params for j in flat])
