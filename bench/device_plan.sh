@@ -2,7 +2,7 @@
 # On the device machine, after `R=$PWD; source bench/device_clean.sh && cd /tmp/clean`: the pending GPU runs of the
 # open issues, grouped into calls of under 600 s, the runs that can close an issue first. Steps write under
 # $OUT/steps (bundled as steps.tgz); the card's name is in steps/gpu.txt.
-#   bash bench/device_plan.sh R PLAN      R: the carried tree's root (for .tok); PLAN: a | b | c
+#   bash bench/device_plan.sh R PLAN      R: the carried tree's root (for .tok); PLAN: a | b | c  (PLAN_BUDGET_S: the steps' seconds, 570)
 # a: speculation served on CUDA and its replay ratios (issue 26), the structured-output mask's step cost (issue 29),
 #    the MoE batch-1 step against its roofline (issue 27).
 # b: the MoE model served, W0 and W1 (issue 27), and the AWQ step at 64 sequences on dequantize-then-cuBLAS (issue 25).
@@ -14,14 +14,14 @@ mkdir -p "$S"
 echo "device_plan: $plan on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)"
 case "$plan" in
     a)
-        bash bench/device_steps.sh 570 \
+        bash bench/device_steps.sh "${PLAN_BUDGET_S:-570}" \
             "tspec|130|python -m pytest -q -m gpu -p no:cacheprovider tests/e2e/test_spec_serve_gpu.py" \
             "spec|130|python -m bench.spec_decode --device cuda --model random:llama3-8b --proposer replay --alpha 0.8 0.5 0 --k 4 --batches 1 8 --rounds 2 --max-tokens 128 --out $S/spec.json" \
             "so|100|python -m bench.structured_output --device cuda --model random:llama3-8b --tokenizer $R/.tok --batches 1 64 --out $S/so.json" \
             "moe|200|python -m bench.model_speed --presets qwen3-30b-a3b,qwen3-30b-a3b:torch_routing --out $S/ms_moe"
         ;;
     b)
-        bash bench/device_steps.sh 570 \
+        bash bench/device_steps.sh "${PLAN_BUDGET_S:-570}" \
             "servemoe|440|SUITE_TIMEOUT_S=430 bash bench/served_gpu.sh moe w0,w1 --serve-args '--model random:qwen3-30b-a3b --device cuda'" \
             "awq|110|python -m bench.model_speed --presets llama3-8b@awq --out $S/ms_awq"
         ;;
