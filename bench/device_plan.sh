@@ -2,7 +2,7 @@
 # On the device machine, after `R=$PWD; source bench/device_clean.sh && cd /tmp/clean`: the pending GPU runs of the
 # open issues, grouped into calls of under 600 s, the runs that can close an issue first. Steps write under
 # $OUT/steps (bundled as steps.tgz); the card's name is in steps/gpu.txt.
-#   bash bench/device_plan.sh R PLAN      R: the carried tree's root (for .tok); PLAN: a | b | c  (PLAN_BUDGET_S: the steps' seconds, 570)
+#   [PLAN_BUDGET_S=570] bash bench/device_plan.sh R PLAN     R: the carried tree's root (for .tok); PLAN: a | b | c
 # a: speculation served on CUDA and its replay ratios (issue 26), the structured-output mask's step cost (issue 29),
 #    the MoE batch-1 step against its roofline (issue 27).
 # b: the MoE model served, W0 and W1 (issue 27), and the AWQ step at 64 sequences on dequantize-then-cuBLAS (issue 25).
