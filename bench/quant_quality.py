@@ -58,8 +58,13 @@ VARIANTS = {
     "int4_awq_gptq": "activation-aware scales folded in, then int4_gptq_act_order",
     "int4_rtn_g32": "diagnostic: int4_rtn with groups of 32",
     "int4_awq_clip": "what `radixserve quantize --method awq` writes (quant/writer.py quantize_for_checkpoint_): AWQ "
-                     "scales, each end of each group's range clipped by its searched ratio (quant/clip.py), INT4 RTN in one group "
-                     "size for every layer (--group-size's gcd with every K), fp16 scales, in memory",
+                     "scales searched through the shrunk Gram matrix, then each group's INT4 grid by quant/clip.py "
+                     "search_grid (each end of its range clipped by a searched ratio, then its scale times 0.86-1.14 "
+                     "and its zero point -1/0/+1 by output error), in one group size for every layer (--group-size's "
+                     "gcd with every K), fp16 scales, in memory",
+    "int4_awq_clip_calib2": "int4_awq_clip calibrated on as many tokens of a second text, the docstrings of "
+                            "CALIBRATION2_MODULES (neither scored nor in CALIBRATION_MODULES): the calibration text's "
+                            "share of the figure",
     "int4_awq_clip_g32": "int4_awq_clip in groups of 32",
     "int4_awq_g32": "diagnostic: int4_awq_clip in groups of 32 without the clip search",
     "int4_gptq": "INT4 W4A16 GPTQ (quant/gptq.py), sequential per decoder layer, groups as int4_rtn, float32 scales, "
@@ -69,13 +74,17 @@ VARIANTS = {
                  "the float32 model is these blocks dequantized, so ~0 by construction",
 }
 CALIBRATED = ("fp8_gptq", "int4_awq", "int4_awq_gptq", "int4_gptq", "int4_gptq_act_order", "int4_awq_clip",
-              "int4_awq_clip_g32", "int4_awq_g32")
+              "int4_awq_clip_g32", "int4_awq_g32", "int4_awq_clip_calib2")
 TARGETS = {"fp8": 0.02, "fp8_gptq": 0.02, "int4_awq_layout": 0.10, "int4_awq": 0.10, "int4_awq_gptq": 0.10,
-           "int4_gptq": 0.10, "int4_gptq_act_order": 0.10, "int4_awq_clip": 0.10, "int4_awq_clip_g32": 0.10}  # issue 25's perplexity increase allowed over float32
+           "int4_gptq": 0.10, "int4_gptq_act_order": 0.10, "int4_awq_clip": 0.10, "int4_awq_clip_g32": 0.10,
+           "int4_awq_clip_calib2": 0.10}  # issue 25's perplexity increase allowed over float32
 
 MODULES = ("json", "collections", "functools", "itertools", "textwrap", "argparse", "re", "string", "pathlib",
            "dataclasses", "heapq", "bisect", "contextlib", "datetime", "fractions", "statistics", "random",
            "logging", "subprocess", "typing", "enum", "abc", "shutil", "tempfile", "csv", "difflib", "inspect")
+CALIBRATION2_MODULES = ("email", "http", "urllib", "unittest", "sqlite3", "xml", "asyncio", "hashlib", "struct",
+                        "array", "decimal", "operator", "types", "weakref", "traceback", "warnings", "signal",
+                        "select", "socket", "ssl", "zlib", "gzip", "bz2", "lzma", "io")
 
 
 def stdlib_text(min_chars: int, modules: tuple[str, ...] = MODULES) -> str:
@@ -132,6 +141,11 @@ def quantized(loaded: LoadedModel, variant: str, group_size: int,
     """A fresh model of `loaded` quantized as VARIANTS[variant] says (GPTQ on the `calibration` windows), and how
     many linears that changed."""
     model = build_model(loaded)
+    if variant == "int4_awq_clip_calib2":
+        if calibration and loaded.tokenizer is not None:  # (a tokenizer-less test model keeps its windows)
+            calibration = calibration_windows(loaded.tokenizer, sum(map(len, calibration)), len(calibration[0]),
+                                              CALIBRATION2_MODULES)
+        variant = "int4_awq_clip"
     if variant == "fp8_weights_only":
         return model, fp8_weights_only_(model)
     if variant in CALIBRATED and not calibration:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from services.gpu_worker.quant.int4 import Int4Weight
 from services.gpu_worker.quant.linear import LinearMethod, QuantizedLinear
 
 METHODS = ("fp8", "awq", "gptq", "gguf")
@@ -24,7 +25,8 @@ _LINEAR_METHOD: dict[str, LinearMethod] = {"fp8": "fp8", "awq": "int4", "gptq": 
 
 
 def quantize_linears_(model: nn.Module, method: str, skip: tuple[str, ...] = ("lm_head",),
-                      group_size: int = 128, calibration: list[list[int]] | None = None) -> int:
+                      group_size: int = 128, calibration: list[list[int]] | None = None,
+                      grids: dict[nn.Linear, Int4Weight] | None = None) -> int:
     """Replace each nn.Linear of `model` by a QuantizedLinear of its weights (in place) unless a component of its
     qualified name is in `skip` or it is an MoE router; returns how many were replaced.
 
@@ -32,7 +34,8 @@ def quantize_linears_(model: nn.Module, method: str, skip: tuple[str, ...] = ("l
     folds activation-aware input-channel scales into the model first (quant/awq.py), then rounds to nearest, in the
     same format; FP8 ignores it and rounds to nearest (GPTQ-chosen FP8 weights, quant/gptq.py gptq_quantize_fp8,
     calibrate layer by layer through the CPU's FP8 forward: minutes, so `radixserve quantize` writes them offline,
-    quant/writer.py).
+    quant/writer.py). A layer in `grids` (quant/awq.py scale_activation_aware_'s, INT4 only) gets that weight as it
+    is instead of RTN.
     A tensor-parallel shard (`model.tp` set) is rounded to nearest: the calibration forward
     (quality.sequence_logits) runs a whole model's attention."""
     if method not in _LINEAR_METHOD:
@@ -43,7 +46,11 @@ def quantize_linears_(model: nn.Module, method: str, skip: tuple[str, ...] = ("l
         scale_activation_aware_(model, calibration, group_size)
     targets = linear_targets(model, skip)
     for _, parent, name, child in targets:
-        setattr(parent, name, QuantizedLinear.from_linear(child, _LINEAR_METHOD[method], group_size))
+        if grids is not None and child in grids:
+            bias = None if child.bias is None else child.bias.detach().clone()
+            setattr(parent, name, QuantizedLinear.int4(grids[child], bias))
+        else:
+            setattr(parent, name, QuantizedLinear.from_linear(child, _LINEAR_METHOD[method], group_size))
     return len(targets)
 
 

@@ -13,16 +13,34 @@ xᵀx [K, K] it costs nothing per token. Each group's ratios are chosen by its o
 terms between groups left out, so the groups of a row are chosen independently, all at once); a row whose whole-row
 error the choice made worse than no clipping keeps ratios 1 everywhere, so on the calibration rows no layer's output
 error exceeds plain RTN's. Rows are searched in blocks of `max_rows` to bound the memory of the candidates.
+
+search_grid (what `radixserve quantize --method awq` uses) then refines each group's grid itself: RTN of the clipped
+range gives a scale s and an integer zero point z, i.e. the grid s · {−z, …, 15 − z}; the candidates s · f (f in
+GRID_FACTORS, 0.86 … 1.14) with z − 1, z or z + 1 (45, each scale as fp16 holds it) are scored by the same
+per-group error, and each group keeps its best. The grid stays the AutoAWQ one (fp16 scale, integer zero point),
+only chosen by the output error instead of by the range's ends.
+
+The Gram matrix a search scores with is shrunk (shrunk_gram): its off-diagonal entries times 1 − GRAM_SHRINK. From a
+thousand calibration tokens, xᵀx of a K = 1536 input has rank ≤ 1,000 and its cross terms fit the calibration text:
+the shrunk one (a covariance estimate pulled towards its diagonal) chose weights that did better on other text.
 """
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from services.gpu_worker.quant.int4 import dequantize_int4, quantize_int4
-from services.gpu_worker.quant.linear import int4_group_size
+from services.gpu_worker.quant.int4 import dequantize_int4, quantize_int4, quantize_int4_on
 
 CLIP_RATIOS = tuple(1 - i / 20 for i in range(11))  # 1.0, 0.95, …, 0.5
+GRID_FACTORS = tuple(1 + i / 50 for i in range(-7, 8))  # 0.86, 0.88, …, 1.14: a group's scale times each
+ZERO_STEPS = (-1, 0, 1)  # a group's zero point plus each
+GRAM_SHRINK = 0.5
+
+
+def shrunk_gram(gram: torch.Tensor, shrink: float = GRAM_SHRINK) -> torch.Tensor:
+    """xᵀx [K, K] with its off-diagonal entries times 1 − shrink, its diagonal kept (module docstring)."""
+    out = gram * (1 - shrink)
+    out.diagonal().copy_(gram.diagonal())
+    return out
 
 
 def group_ranges(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,13 +73,17 @@ def search_clip(w: torch.Tensor, gram: torch.Tensor, group_size: int, max_rows: 
     """w float32 [N, K] (the weight RTN will get), gram xᵀx [K, K] of its calibration inputs → ratios [N, K // G, 2],
     (r_low, r_high) of each group (module docstring)."""
     num_groups = w.shape[1] // group_size
-    blocks = torch.stack([gram[g * group_size:(g + 1) * group_size, g * group_size:(g + 1) * group_size]
-                          for g in range(num_groups)])  # [K // G, G, G]
+    blocks = _gram_blocks(gram, group_size)
     ratios = torch.ones(w.shape[0], num_groups, 2, device=w.device)
     for start in range(0, w.shape[0], max_rows):
         rows = w[start:start + max_rows]  # [R, K]
         ratios[start:start + max_rows] = _search_rows(rows, gram, blocks, group_size)
     return ratios
+
+
+def _gram_blocks(gram: torch.Tensor, group_size: int) -> torch.Tensor:
+    """gram [K, K] → its diagonal blocks [K // G, G, G], one a group of G input columns."""
+    return torch.stack([gram[g:g + group_size, g:g + group_size] for g in range(0, gram.shape[0], group_size)])
 
 
 def _group_errors(w: torch.Tensor, candidate: torch.Tensor, blocks: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -92,13 +114,48 @@ def _search_rows(w: torch.Tensor, gram: torch.Tensor, blocks: torch.Tensor, grou
     return best
 
 
+def _fp16_scales(scales: torch.Tensor) -> torch.Tensor:
+    """Scales [...] as the checkpoint's fp16 holds them (back in float32), never 0."""
+    return scales.half().float().clamp(min=2.0 ** -24)
+
+
+def _grid_errors(groups: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, blocks: torch.Tensor
+                 ) -> torch.Tensor:
+    """groups w [R, K // G, G] on the grids (scales, zeros) [R, K // G] → δ_g B_g δ_gᵀ of each group [R, K // G]."""
+    q = ((groups / scales[..., None]).round() + zeros[..., None]).clamp(0, 15)
+    delta = ((q - zeros[..., None]) * scales[..., None] - groups).transpose(0, 1)  # [K // G, R, G]
+    return (torch.bmm(delta, blocks) * delta).sum(dim=-1).T
+
+
 @torch.no_grad()
-def clip_linear_(linear: nn.Linear, x: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Clamp `linear`'s weight in place to the ratios search_clip picks on its inputs x float32 [T, K], so the RTN it
-    gets next (groups of int4_group_size(K, group_size)) quantizes each group over the clipped range → the ratios
-    [N, K // G, 2]."""
-    weight = linear.weight.detach().float()  # [N, K]
-    group_size = int4_group_size(weight.shape[1], group_size)
-    ratios = search_clip(weight, x.T @ x, group_size)
-    linear.weight.copy_(clipped(weight, ratios, group_size).to(linear.weight))
-    return ratios
+def search_grid(w: torch.Tensor, gram: torch.Tensor, group_size: int, max_rows: int = 4096
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """w float32 [N, K], gram [K, K] of its calibration inputs (shrunk_gram's) → (scales, zeros) [N, K // G] float32
+    each, the INT4 grid of each group: search_clip's ratios, then the refinement over GRID_FACTORS and ZERO_STEPS
+    (module docstring); scales fp16-exact. A row whose whole-row error came out worse than plain RTN's keeps RTN's
+    grid."""
+    num_groups = w.shape[1] // group_size
+    blocks = _gram_blocks(gram, group_size)
+    ratios = search_clip(w, gram, group_size, max_rows)
+    plain = quantize_int4(w, group_size)
+    plain_scales, plain_zeros = _fp16_scales(plain.scales), plain.zeros.float()
+    clip = quantize_int4(clipped(w, ratios, group_size), group_size)
+    base_scales, base_zeros = _fp16_scales(clip.scales), clip.zeros.float()  # [N, K // G]
+    scales, zeros = base_scales.clone(), base_zeros.clone()
+    for start in range(0, w.shape[0], max_rows):
+        rows = slice(start, start + max_rows)
+        groups = w[rows].reshape(-1, num_groups, group_size)  # [R, K // G, G]
+        best_error = torch.full(groups.shape[:2], float("inf"), device=w.device)
+        for factor in GRID_FACTORS:
+            for step in ZERO_STEPS:
+                s, z = _fp16_scales(base_scales[rows] * factor), (base_zeros[rows] + step).clamp(0, 15)
+                error = _grid_errors(groups, s, z, blocks)
+                better = error < best_error
+                best_error = torch.where(better, error, best_error)
+                scales[rows], zeros[rows] = torch.where(better, s, scales[rows]), torch.where(better, z, zeros[rows])
+    chosen = dequantize_int4(quantize_int4_on(w, scales, zeros, group_size)).float() - w
+    rtn = dequantize_int4(quantize_int4_on(w, plain_scales, plain_zeros, group_size)).float() - w
+    worse = row_errors(chosen, gram) > row_errors(rtn, gram)  # [N]
+    scales[worse], zeros[worse] = plain_scales[worse], plain_zeros[worse]
+    return scales, zeros
+

@@ -79,6 +79,25 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int = 128,
 
 
 @torch.no_grad()
+def gptq_quantize_on_grid(w: torch.Tensor, hessian: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                          group_size: int, damp: float = 0.01, block: int = 128) -> Int4Weight:
+    """w: [N, K]; hessian: [K, K]; scales, zeros [N, K // G]: every group's grid fixed beforehand (quant/clip.py
+    search_grid's) → Int4Weight on exactly those grids, each integer chosen by the error feedback in input-feature
+    order (no act-order: the AutoAWQ layout has no permutation)."""
+    weight, u, _ = _prepared(w, hessian, False, damp)
+    q = torch.zeros(weight.shape, dtype=torch.int64, device=w.device)
+    scales32, zeros32 = scales.float(), zeros.float()
+
+    def round_column(column: int, rest: torch.Tensor) -> torch.Tensor:
+        scale, zero = scales32[:, column // group_size], zeros32[:, column // group_size]
+        q[:, column] = ((rest[:, 0] / scale).round() + zero).clamp(0, 15).to(torch.int64)
+        return (q[:, column] - zero) * scale
+
+    _feedback_quantize_(weight, u, block, round_column)
+    return Int4Weight(pack_int4(q), scales, zeros, group_size)
+
+
+@torch.no_grad()
 def gptq_quantize_fp8(w: torch.Tensor, hessian: torch.Tensor, act_order: bool = True, damp: float = 0.01,
                       block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """w: [N, K]; hessian: [K, K] → (qweight e4m3 [N, K], scale float32 [N]): quantize_weight_fp8's format (each

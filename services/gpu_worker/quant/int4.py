@@ -107,6 +107,15 @@ def quantize_int4(w: torch.Tensor, group_size: int = 128, symmetric: bool = Fals
     return Int4Weight(pack_int4(q.reshape(n, k)), scale, zero.to(w.dtype), group_size)
 
 
+def quantize_int4_on(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> Int4Weight:
+    """w: [N, K] rounded to nearest on a given grid: scales [N, K // G] (> 0) and integer zeros [N, K // G] in 0..15
+    (quant/clip.py search_grid's) → Int4Weight holding those scales and zeros, as given."""
+    n, k = w.shape
+    groups = w.float().reshape(n, k // group_size, group_size)  # [N, K // G, G]
+    q = ((groups / scales.float()[..., None]).round() + zeros.float()[..., None]).clamp(0, 15)
+    return Int4Weight(pack_int4(q.reshape(n, k)), scales, zeros, group_size)
+
+
 def _dequantize_packed(w: Int4Weight) -> torch.Tensor:
     """→ [N, K] in the scales' dtype, columns in packed order (input feature perm[k] at column k)."""
     n, k = w.out_features, w.in_features

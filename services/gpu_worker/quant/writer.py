@@ -4,8 +4,9 @@ they are (quant/checkpoint.py) instead of calibrating on load.
     fp8   compressed-tensors FP8-Dynamic: <layer>.weight e4m3 [N, K], <layer>.weight_scale float32 [N, 1];
           calibration "gptq" (quant/gptq.py gptq_quantize_fp8, act-order, layer by layer) or "rtn"
     awq   AutoAWQ GEMM INT4: <layer>.qweight, .qzeros, .scales (fp16); calibration "awq" (activation-aware scales
-          folded into the norms and v/up rows, quant/awq.py, each end of each group's range clipped by the ratio
-          quant/clip.py searches, then round to nearest) or "rtn"
+          folded into the norms and v/up rows, quant/awq.py; each group's grid, fp16 scale and integer zero point,
+          searched by quant/clip.py search_grid; the integers on those grids by GPTQ's error feedback, quant/gptq.py
+          gptq_quantize_on_grid; every search through the calibration inputs' shrunk Gram matrix) or "rtn"
     gptq  GPTQ v1 INT4: <layer>.qweight, .qzeros, .scales (fp16), .g_idx; calibration "gptq" (act-order) or "rtn"
 
 Every other tensor (embeddings, norms, folded or not, the LM head) is written dense, in the source checkpoint's dtype,
@@ -104,8 +105,9 @@ def quantize_for_checkpoint_(model: nn.Module, method: str, calibration: str, wi
         replaced = quantize_linears_(model, method, group_size=group_size)
         progress(f"{replaced} linears of {total} decoder layers rounded to nearest")
     elif method == "awq":
-        scale_activation_aware_(model, windows, group_size, on_group=on_group, clip=True)
-        replaced = quantize_linears_(model, method, group_size=group_size)
+        grids: dict = {}
+        scale_activation_aware_(model, windows, group_size, on_group=on_group, grids=grids)
+        replaced = quantize_linears_(model, method, group_size=group_size, grids=grids)
     else:
         replaced = calibrate_gptq_(model, windows, group_size, act_order=True, method="fp8" if method == "fp8"
                                    else "int4", on_layer=on_layer)
