@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from services.gpu_worker.quant.apply import linear_targets, quantize_linears_
+from services.gpu_worker.quant.apply import quantize_linears_
 from services.gpu_worker.quant.fp8 import dequantize_fp8, quantize_weight_fp8
 from services.gpu_worker.quant.gptq import (_sharing_inputs, calibrate_gptq_, gptq_quantize, gptq_quantize_fp8,
                                              gptq_quantize_on_grid, layer_groups)
@@ -14,6 +14,7 @@ from services.gpu_worker.quant.int4 import (dequantize_int4, from_gptq, int4_lin
                                             to_gptq)
 from services.gpu_worker.quant.linear import QuantizedLinear
 from services.gpu_worker.quant.quality import sequence_logits
+from services.gpu_worker.quant.targets import linear_targets
 from tests.unit.test_quant_linear import _TOKENS, _tiny_model
 
 

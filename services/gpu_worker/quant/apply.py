@@ -1,10 +1,5 @@
-"""Quantizing a loaded model in place: every nn.Linear, except those that must stay dense, becomes a
+"""Quantizing a loaded model in place: every nn.Linear that quant/targets.py does not leave dense becomes a
 QuantizedLinear.
-
-Left dense: the LM head (`lm_head`: its logits feed sampling directly and it is a small share of a big model's
-bytes), a mixture-of-experts router (a module named `gate` whose parent has `experts`: a flipped top-k choice costs
-more than its few bytes save) and any name in `skip`. Embeddings and the fused experts' tensors are not nn.Linear,
-so they stay as they are.
 """
 from __future__ import annotations
 
@@ -12,6 +7,7 @@ from torch import nn
 
 from services.gpu_worker.quant.int4 import Int4Weight
 from services.gpu_worker.quant.linear import LinearMethod, QuantizedLinear
+from services.gpu_worker.quant.targets import linear_targets
 
 METHODS = ("fp8", "awq", "gptq", "gguf")
 """The `quantization` values a model can be served with. "fp8": W8A8 e4m3 (quant/fp8.py). "awq" and "gptq" both mean
@@ -52,20 +48,3 @@ def quantize_linears_(model: nn.Module, method: str, skip: tuple[str, ...] = ("l
         else:
             setattr(parent, name, QuantizedLinear.from_linear(child, _LINEAR_METHOD[method], group_size))
     return len(targets)
-
-
-def linear_targets(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)
-                   ) -> list[tuple[str, nn.Module, str, nn.Linear]]:
-    """The nn.Linear layers a quantizer replaces, in module order: (qualified name, parent, name in the parent, the
-    layer) for each one unless a component of its qualified name is in `skip` or it is an MoE router."""
-    return [
-        (f"{parent_name}.{name}" if parent_name else name, parent, name, child)
-        for parent_name, parent in model.named_modules()
-        for name, child in parent.named_children()
-        if isinstance(child, nn.Linear) and not _is_skipped(f"{parent_name}.{name}", parent, name, skip)
-    ]
-
-
-def _is_skipped(qualified: str, parent: nn.Module, name: str, skip: tuple[str, ...]) -> bool:
-    is_router = name == "gate" and hasattr(parent, "experts")
-    return is_router or any(part in skip for part in qualified.split("."))

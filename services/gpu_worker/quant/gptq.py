@@ -40,12 +40,12 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from services.gpu_worker.quant.apply import linear_targets
 from services.gpu_worker.quant.fp8 import (FP8_DTYPE, FP8_MAX, dequantize_fp8, quantize_activation_fp8,
                                           quantize_weight_fp8)
 from services.gpu_worker.quant.int4 import Int4Weight, pack_int4, quantize_int4
 from services.gpu_worker.quant.linear import LinearMethod, QuantizedLinear, int4_group_size
 from services.gpu_worker.quant.quality import LayerDone, run_until_done
+from services.gpu_worker.quant.targets import linear_targets
 
 
 @torch.no_grad()

@@ -35,12 +35,13 @@ from torch import nn
 from services.gpu_worker.model.architecture import same_weights
 from services.gpu_worker.model.loader import LoadedModel, hf_config_dict, load_model, model_shapes
 from services.gpu_worker.model.registry import architecture_for_type
-from services.gpu_worker.quant.apply import linear_targets, quantize_linears_
+from services.gpu_worker.quant.apply import quantize_linears_
 from services.gpu_worker.quant.awq import scale_activation_aware_
 from services.gpu_worker.quant.calibration import ON_LOAD_CALIBRATION_TOKENS, calibration_windows
 from services.gpu_worker.quant.gptq import calibrate_gptq_
 from services.gpu_worker.quant.int4 import from_awq, from_gptq, to_awq, to_gptq
 from services.gpu_worker.quant.linear import QuantizedLinear, int4_group_size
+from services.gpu_worker.quant.targets import linear_targets
 
 CALIBRATIONS = {"fp8": ("gptq", "rtn"), "awq": ("awq", "rtn"), "gptq": ("gptq", "rtn")}
 """The methods `radixserve quantize` writes, and the calibrations each takes (the first is its default)."""
