@@ -4,8 +4,12 @@ Run by hand, not in CI:  .venv/bin/python -m tests.reliability.soak --duration 1
 
 More clients than the gateway admits (--clients > --max-concurrent) send token-id prompts (sharing prefixes),
 a third of them streamed and some dropped mid-stream. The RSS of every child is sampled; at the end the script
-checks that every answer was 200/429/503/504, nothing is left in flight, and no child's memory grew past the
-bound after warm-up. It prints the figures (and writes them as JSON with --out); exit status 1 on a violation.
+checks that every answer was 200/429/503/504, every whole (not streamed) answer has exactly its max_tokens tokens
+(ignore_eos), nothing is left in flight, the engines hold no request's KV page and run no sequence, and no child's
+memory grew past the bound after warm-up. It prints the figures (and writes them as JSON with --out); exit status 1
+on a violation. --serve-args adds serve flags, e.g. speculation under the same load:
+
+    .venv/bin/python -m tests.reliability.soak --duration 180 --serve-args "--speculative-method ngram"
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import signal
 import subprocess
 import sys
@@ -38,6 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=float, default=30.0, help="seconds before the memory baseline")
     parser.add_argument("--max-rss-growth-mb", type=float, default=64.0, help="allowed growth after warm-up")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--serve-args", default="", help="more `radixserve serve` flags, as one string")
     parser.add_argument("--out", type=Path, default=None, help="write the figures here as JSON")
     return parser.parse_args(argv)
 
@@ -47,7 +53,8 @@ def start_serve(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.Po
     env = {**os.environ, "RADIXSERVE_MAX_CONCURRENT_REQUESTS": str(args.max_concurrent),
            "RADIXSERVE_REQUEST_TIMEOUT_S": "30"}
     proc = subprocess.Popen([sys.executable, "-m", "radixserve", "serve", "--model", MODEL, "--device", "cpu",
-                             "--port", str(port), "--num-pages", "512", "--workers", str(args.workers)],
+                             "--port", str(port), "--num-pages", "512", "--workers", str(args.workers),
+                             *shlex.split(args.serve_args)],
                             stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     wait_until(lambda: proc.poll() is not None or http_status(url + "/health") == 200, 120, 0.2)
@@ -104,6 +111,10 @@ async def client(session: aiohttp.ClientSession, url: str, rng: random.Random, d
                             break
                     else:
                         stats["streams_finished"] += 1
+                elif resp.status == 200:
+                    answer = await resp.json()
+                    if answer["usage"]["completion_tokens"] != body["max_tokens"]:
+                        stats["wrong_length"] += 1
                 else:
                     await resp.read()
                 stats[resp.status] += 1
@@ -155,12 +166,14 @@ def summarize(args: argparse.Namespace, load: dict, after: dict) -> dict:
 
 def violations(args: argparse.Namespace, figures: dict) -> list[str]:
     found = [f"unclean status {s}: {n}" for s, n in figures["statuses"].items() if int(s) not in CLEAN_STATUSES]
-    found += [f"{k}: {v}" for k, v in figures["other"].items() if k.startswith("client_error")]
+    found += [f"{k}: {v}" for k, v in figures["other"].items() if k.startswith("client_error") or k == "wrong_length"]
     found += [f"{name} grew {r['growth_after_warmup_mb']} MB" for name, r in figures["rss"].items()
               if r["growth_after_warmup_mb"] > args.max_rss_growth_mb]
     after = figures["after"]
     if after["scheduler_in_flight"] != 0 or after["scheduler_queued"] != 0 or after["gateway_in_flight"] != 0:
         found.append(f"left in flight: {after}")
+    if after["engine_running"] != 0 or after["engine_request_pages_perc"] != 0:
+        found.append(f"engines not idle: {after}")
     if not after["all_alive"]:
         found.append("a child died")
     return found
@@ -175,11 +188,22 @@ def main(argv: list[str] | None = None) -> int:
         load = asyncio.run(run_load(args, url, procs))
         sched = next(a for p in procs.values() for a in p.cmdline() if a.endswith("/scheduler"))
         status = wait_until(lambda: (s := scheduler_status(sched)) and s.num_in_flight == 0 and s, 15)
-        metrics = aiohttp_free_get(url + "/metrics")
+        try:
+            metrics = wait_until(lambda: (text := aiohttp_free_get(url + "/metrics")) and engines_idle(text) and text,
+                                 20, 0.5)
+        except TimeoutError:  # reported below, from the last scrape
+            metrics = aiohttp_free_get(url + "/metrics")
         gateway_in_flight = float(next(line.split()[1] for line in metrics.splitlines()
                                        if line.startswith("radixserve_gateway_requests_in_flight ")))
         after = {"scheduler_in_flight": status.num_in_flight, "scheduler_queued": status.num_queued,
-                 "gateway_in_flight": gateway_in_flight, "all_alive": all(p.is_running() for p in procs.values())}
+                 "gateway_in_flight": gateway_in_flight,
+                 "engine_running": series_sum(metrics, "radixserve_num_requests_running"),
+                 "engine_request_pages_perc": series_sum(metrics, "radixserve_kv_cache_usage_perc"),
+                 "engine_steps": series_sum(metrics, "radixserve_engine_step_seconds_count"),
+                 "generation_tokens": series_sum(metrics, "radixserve_generation_tokens_total"),
+                 **{name: series_sum(metrics, f"radixserve_spec_decode_num_{name}_total")
+                    for name in ("drafts", "draft_tokens", "accepted_tokens")},
+                 "all_alive": all(p.is_running() for p in procs.values())}
         figures = summarize(args, load, after)
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -193,6 +217,18 @@ def main(argv: list[str] | None = None) -> int:
         print("VIOLATION:", problem, file=sys.stderr)
     print(f"serve log: {log_path}", file=sys.stderr)
     return 1 if problems else 0
+
+
+def series_sum(text: str, name: str) -> float:
+    """The sum of a metric's samples over its label sets (every worker's) in a Prometheus text scrape."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def engines_idle(text: str) -> bool:
+    """No engine runs a sequence or holds a request's KV page (the workers report every second or so)."""
+    return (series_sum(text, "radixserve_num_requests_running") == 0
+            and series_sum(text, "radixserve_kv_cache_usage_perc") == 0)
 
 
 def aiohttp_free_get(url: str) -> str:
