@@ -40,7 +40,8 @@ class DraftCosts:
     - CUDA, overlap mode (Llama-3.1-8B shapes, H100, bench.spec_decode --proposer replay, 2026-12-06): a step that
       verified 3-4 drafts a sequence took 1.25x (batch 1) and 1.29x (batch 8) a plain step, and the same time with 2.9
       drafts a sequence as with 3.7 (the verify graph is padded to k), so step 0.3, token 0.02; serial, a step has
-      no overlap to lose: step 0.05.
+      no overlap to lose: step 0.05. With this gate (H100, 2026-12-07, α = 0: drafts of 4 that all failed), a
+      drafted step cost 0.20 of a plain step more at batch 1 and 0.43 at batch 8.
     - CPU (the bundled 135M model, bench.spec_decode --device cpu, 2026-12-05): a step verifying about four drafts
       cost about 2.3x a plain step, and the CPU runs a step's work as it is launched: step 0.05, token 0.3.
     """
