@@ -107,20 +107,11 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-# `radixserve quantize --method awq`'s calibration tokens: on the bundled model its INT4 grid search meets issue 25's
-# +10 % perplexity on both calibration texts from 2,048 tokens (+9.2 %, +8.8 %), on one of them at 1,024 (+9.2 %,
-# +10.5 %); docs/PERFORMANCE.md, the quantization quality section
-AWQ_CALIBRATION_TOKENS = 2048
-
-
 def _quantize(args: argparse.Namespace) -> int:
     from services.gpu_worker.quant.writer import quantize_checkpoint
 
     try:
-        tokens = args.calibration_tokens
-        if tokens is None:
-            tokens = AWQ_CALIBRATION_TOKENS if args.method == "awq" else 1024
-        quantize_checkpoint(args.model, args.method, args.out, args.calibration, tokens,
+        quantize_checkpoint(args.model, args.method, args.out, args.calibration, args.calibration_tokens,
                             args.group_size, progress=lambda line: print(line, file=sys.stderr, flush=True))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -62,6 +62,18 @@ def post_json(url: str, body: dict[str, Any], timeout_s: float = 120.0) -> tuple
         return err.code, json.loads(err.read())
 
 
+def series_sum(text: str, name: str) -> float:
+    """The sum of a metric's samples over its label sets (every worker's) in a Prometheus text scrape."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def scraped_sum(url: str, name: str) -> float:
+    """series_sum of name in the server's /metrics now."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        return series_sum(resp.read().decode(), name)
+
+
 @contextlib.contextmanager
 def serving(args: list[str], log_path: Path, ready_timeout_s: float = 300.0) -> Iterator[str]:
     """`radixserve serve --port <free> *args` with its output in log_path; yields the base URL, and checks

@@ -11,7 +11,7 @@ import urllib.request
 import aiohttp
 import pytest
 
-from tests.e2e.conftest import serving
+from tests.e2e.conftest import series_sum, serving
 
 pytestmark = pytest.mark.slow
 NUM_REQUESTS = 600
@@ -56,10 +56,6 @@ async def burst(url: str) -> list[tuple[int, int, int, str | None]]:
 def scrape(url: str) -> str:
     with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
         return resp.read().decode()
-
-
-def series_sum(text: str, name: str) -> float:
-    return sum(float(m.group(1)) for m in re.finditer(rf"^{name}{{[^}}]*}} (\S+)$", text, re.MULTILINE))
 
 
 def test_a_burst_of_600_streams_all_finish_exactly(tmp_path) -> None:

@@ -5,24 +5,15 @@ Greedy answers of a batch equal those of each prompt alone; a prompt that fails 
 from __future__ import annotations
 
 import time
-import urllib.request
 
 import openai
 import pytest
 
-from tests.e2e.conftest import post_json as _post
+from tests.e2e.conftest import post_json as _post, scraped_sum as _metric
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
 FRANCE = [504, 3575, 282, 4649, 314]  # "The capital of France is"
-
-
-def _metric(url: str, name: str) -> float:
-    """The sum of name's samples over every worker."""
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
-        lines = resp.read().decode().splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{") or
-               line.startswith(name + " "))
 
 
 def test_a_batch_answers_as_each_prompt_alone(client: openai.OpenAI) -> None:

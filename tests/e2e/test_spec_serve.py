@@ -5,26 +5,19 @@ for `--speculative-method draft --speculative-draft-model bundled` (the target a
 from __future__ import annotations
 
 import time
-import urllib.request
 from collections.abc import Iterator
 
 import openai
 import pytest
 
 from bench.spec_decode import PASSAGES, SYSTEM
-from tests.e2e.conftest import serving
+from tests.e2e.conftest import scraped_sum as _metric, serving
 
 MODEL = "smollm2-135m-instruct"
 
 
 def _messages(code: str, ask: str) -> list[dict]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"```python\n{code}```\n\n{ask}"}]
-
-
-def _metric(url: str, name: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
-        lines = resp.read().decode().splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{"))
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,7 @@ from pathlib import Path
 import aiohttp
 import psutil
 
+from tests.e2e.conftest import series_sum
 from tests.reliability.cluster import MODEL, free_port, http_status, scheduler_status, wait_until
 
 CLEAN_STATUSES = {200, 429, 503, 504}
@@ -217,12 +218,6 @@ def main(argv: list[str] | None = None) -> int:
         print("VIOLATION:", problem, file=sys.stderr)
     print(f"serve log: {log_path}", file=sys.stderr)
     return 1 if problems else 0
-
-
-def series_sum(text: str, name: str) -> float:
-    """The sum of a metric's samples over its label sets (every worker's) in a Prometheus text scrape."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
 
 
 def engines_idle(text: str) -> bool:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import groupby
 
 import torch
 from torch import nn
@@ -152,18 +153,11 @@ def scale_activation_aware_(model: nn.Module, token_batches: list[list[int]], gr
     alphas = []
     quantize = int4_rtn(group_size)
     shrink = 0.0 if grids is None else GRAM_SHRINK
-    pending: list[tuple[nn.Linear, torch.Tensor]] = []  # this decoder layer's linears and their inputs' shrunk Gram
-
-    def quantize_pending() -> None:
-        for linear, gram in pending:
-            w = linear.weight.detach().float()  # [N, K]
-            size = int4_group_size(w.shape[1], group_size)
-            scales, zeros = search_grid(w, gram, size)
-            grids[linear] = gptq_quantize_on_grid(w, gram, scales, zeros, size, damp=GRID_GPTQ_DAMP)
-        pending.clear()
-
-    for index, (layer_index, group, xs) in enumerate(zip(layer_of, groups, inputs)):
-        if xs:
+    for layer_index, members in groupby(zip(layer_of, groups, inputs), key=lambda member: member[0]):
+        pending: list[tuple[nn.Linear, torch.Tensor]] = []  # this decoder layer's linears and their inputs' Gram
+        for _, group, xs in members:
+            if not xs:
+                continue
             x = torch.cat(xs)  # [T, K]
             weights = [linear.weight.detach().float() for linear in group.linears]
             s, alpha = search_scale(x, weights, quantize, None if group.tie is None else group.tie.to(x.device), shrink)
@@ -176,6 +170,9 @@ def scale_activation_aware_(model: nn.Module, token_batches: list[list[int]], gr
             xs.clear()
             if on_group is not None:
                 on_group(layer_index, alpha)
-        if grids is not None and (index + 1 == len(groups) or layer_of[index + 1] != layer_index):
-            quantize_pending()
+        for linear, gram in pending:  # the layer's folds are all done: its weights are final
+            w = linear.weight.detach().float()  # [N, K]
+            size = int4_group_size(w.shape[1], group_size)
+            scales, zeros = search_grid(w, gram, size)
+            grids[linear] = gptq_quantize_on_grid(w, gram, scales, zeros, size, damp=GRID_GPTQ_DAMP)
     return alphas

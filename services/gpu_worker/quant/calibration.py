@@ -11,7 +11,11 @@ CALIBRATION_MODULES = ("os", "pickle", "zipfile", "tarfile", "configparser", "th
 """Modules whose docstrings calibrate; bench/quant_quality.py scores other modules' docstrings."""
 ON_LOAD_CALIBRATION_TOKENS = 1024
 """How many tokens a model quantized on load calibrates on (two windows of 512): the CPU loads the bundled
-model with FP8 GPTQ in about a minute."""
+model with FP8 GPTQ in about a minute. `radixserve quantize` calibrates on as many, except --method awq."""
+AWQ_WRITER_CALIBRATION_TOKENS = 2048
+"""How many tokens `radixserve quantize --method awq` calibrates on by default: on the bundled model its INT4 grid
+search meets issue 25's +10 % perplexity on both calibration texts from 2,048 tokens (+9.2 %, +8.8 %), on one of
+them at 1,024 (+9.2 %, +10.5 %); docs/PERFORMANCE.md, the quantization quality section."""
 
 
 def stdlib_docstrings(min_chars: int, modules: tuple[str, ...] = CALIBRATION_MODULES) -> str:

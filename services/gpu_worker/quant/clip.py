@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from services.gpu_worker.quant.int4 import dequantize_int4, quantize_int4, quantize_int4_on
+from services.gpu_worker.quant.int4 import dequantize_int4, quantize_int4, quantize_int4_on, round_on_grid
 
 CLIP_RATIOS = tuple(1 - i / 20 for i in range(11))  # 1.0, 0.95, …, 0.5
 GRID_FACTORS = tuple(1 + i / 50 for i in range(-7, 8))  # 0.86, 0.88, …, 1.14: a group's scale times each
@@ -122,7 +122,7 @@ def _fp16_scales(scales: torch.Tensor) -> torch.Tensor:
 def _grid_errors(groups: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, blocks: torch.Tensor
                  ) -> torch.Tensor:
     """groups w [R, K // G, G] on the grids (scales, zeros) [R, K // G] → δ_g B_g δ_gᵀ of each group [R, K // G]."""
-    q = ((groups / scales[..., None]).round() + zeros[..., None]).clamp(0, 15)
+    q = round_on_grid(groups, scales[..., None], zeros[..., None])
     delta = ((q - zeros[..., None]) * scales[..., None] - groups).transpose(0, 1)  # [K // G, R, G]
     return (torch.bmm(delta, blocks) * delta).sum(dim=-1).T
 

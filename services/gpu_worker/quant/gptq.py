@@ -42,7 +42,7 @@ from torch import nn
 
 from services.gpu_worker.quant.fp8 import (FP8_DTYPE, FP8_MAX, dequantize_fp8, quantize_activation_fp8,
                                           quantize_weight_fp8)
-from services.gpu_worker.quant.int4 import Int4Weight, pack_int4, quantize_int4
+from services.gpu_worker.quant.int4 import Int4Weight, pack_int4, quantize_int4, round_on_grid
 from services.gpu_worker.quant.linear import LinearMethod, QuantizedLinear, int4_group_size
 from services.gpu_worker.quant.quality import LayerDone, run_until_done
 from services.gpu_worker.quant.targets import linear_targets
@@ -66,9 +66,7 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int = 128,
         if column % group_size == 0:  # the group's grid from its columns as the feedback has left them
             grid = quantize_int4(rest[:, :group_size].to(w.dtype), group_size)
             scales[:, g], zeros[:, g] = grid.scales[:, 0], grid.zeros[:, 0]
-        scale, zero = scales[:, g].float(), zeros[:, g].float()
-        q[:, column] = ((rest[:, 0] / scale).round() + zero).clamp(0, 15).to(torch.int64)
-        return (q[:, column] - zero) * scale
+        return _round_column_(q, column, rest, scales[:, g].float(), zeros[:, g].float())
 
     _feedback_quantize_(weight, u, max(block // group_size, 1) * group_size, round_column)  # a group in one block
     if perm is not None:  # ascending input features within each group: v1 g_idx's order
@@ -89,12 +87,19 @@ def gptq_quantize_on_grid(w: torch.Tensor, hessian: torch.Tensor, scales: torch.
     scales32, zeros32 = scales.float(), zeros.float()
 
     def round_column(column: int, rest: torch.Tensor) -> torch.Tensor:
-        scale, zero = scales32[:, column // group_size], zeros32[:, column // group_size]
-        q[:, column] = ((rest[:, 0] / scale).round() + zero).clamp(0, 15).to(torch.int64)
-        return (q[:, column] - zero) * scale
+        g = column // group_size
+        return _round_column_(q, column, rest, scales32[:, g], zeros32[:, g])
 
     _feedback_quantize_(weight, u, block, round_column)
     return Int4Weight(pack_int4(q), scales, zeros, group_size)
+
+
+def _round_column_(q: torch.Tensor, column: int, rest: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+                   ) -> torch.Tensor:
+    """The INT4 error feedback's step: q[:, column] ← the first column of `rest` (the columns not yet quantized, as
+    the feedback has left them) rounded on the grid (scale, zero) [N] float32; → its dequantized values."""
+    q[:, column] = round_on_grid(rest[:, 0], scale, zero).to(torch.int64)
+    return (q[:, column] - zero) * scale
 
 
 @torch.no_grad()

@@ -89,6 +89,12 @@ def _unpack_awq(packed: torch.Tensor) -> torch.Tensor:
     return unpack_int4(packed).reshape(rows, words, 8)[:, :, list(AWQ_UNPACK_ORDER)].reshape(rows, words * 8)
 
 
+def round_on_grid(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """x rounded to nearest on the asymmetric INT4 grid scale · {−zero, …, 15 − zero} → the integers 0..15, as
+    float32 (scale and zero broadcast against x)."""
+    return ((x / scale).round() + zero).clamp(0, 15)
+
+
 def quantize_int4(w: torch.Tensor, group_size: int = 128, symmetric: bool = False) -> Int4Weight:
     """w: [N, K] → its RTN Int4Weight; scales and zeros in w's dtype (q is computed against the stored scales)."""
     n, k = w.shape
@@ -103,8 +109,7 @@ def quantize_int4(w: torch.Tensor, group_size: int = 128, symmetric: bool = Fals
     scale = torch.where(scale > 0, scale, torch.ones_like(scale)).to(w.dtype)  # an all-zero group: 1
     scale32 = scale.float()
     zero = torch.full_like(scale32, 8.0) if symmetric else (-low / scale32).round().clamp(0, 15)  # [N, K // G]
-    q = ((groups / scale32[..., None]).round() + zero[..., None]).clamp(0, 15)  # [N, K // G, G]
-    return Int4Weight(pack_int4(q.reshape(n, k)), scale, zero.to(w.dtype), group_size)
+    return quantize_int4_on(w, scale, zero.to(w.dtype), group_size)
 
 
 def quantize_int4_on(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> Int4Weight:
@@ -112,7 +117,7 @@ def quantize_int4_on(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     (quant/clip.py search_grid's) → Int4Weight holding those scales and zeros, as given."""
     n, k = w.shape
     groups = w.float().reshape(n, k // group_size, group_size)  # [N, K // G, G]
-    q = ((groups / scales.float()[..., None]).round() + zeros.float()[..., None]).clamp(0, 15)
+    q = round_on_grid(groups, scales.float()[..., None], zeros.float()[..., None])  # [N, K // G, G]
     return Int4Weight(pack_int4(q.reshape(n, k)), scales, zeros, group_size)
 
 

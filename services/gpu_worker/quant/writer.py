@@ -37,7 +37,8 @@ from services.gpu_worker.model.loader import LoadedModel, hf_config_dict, load_m
 from services.gpu_worker.model.registry import architecture_for_type
 from services.gpu_worker.quant.apply import quantize_linears_
 from services.gpu_worker.quant.awq import scale_activation_aware_
-from services.gpu_worker.quant.calibration import ON_LOAD_CALIBRATION_TOKENS, calibration_windows
+from services.gpu_worker.quant.calibration import (AWQ_WRITER_CALIBRATION_TOKENS, ON_LOAD_CALIBRATION_TOKENS,
+                                                   calibration_windows)
 from services.gpu_worker.quant.gptq import calibrate_gptq_
 from services.gpu_worker.quant.int4 import from_awq, from_gptq, to_awq, to_gptq
 from services.gpu_worker.quant.linear import QuantizedLinear, int4_group_size
@@ -208,11 +209,14 @@ class QuantizeSummary:
 
 
 def quantize_checkpoint(model_spec: str, method: str, out: str | Path, calibration: str | None = None,
-                        calibration_tokens: int = ON_LOAD_CALIBRATION_TOKENS, group_size: int = 128,
+                        calibration_tokens: int | None = None, group_size: int = 128,
                         progress: Progress = print) -> QuantizeSummary:
     """Load `model_spec` (as `serve --model` does) in float32, quantize it (quantize_for_checkpoint_) and write it
-    to `out` (module docstring)."""
+    to `out` (module docstring). calibration_tokens None: AWQ_WRITER_CALIBRATION_TOKENS for awq, else
+    ON_LOAD_CALIBRATION_TOKENS."""
     calibration = check_method(method, calibration)
+    if calibration_tokens is None:
+        calibration_tokens = AWQ_WRITER_CALIBRATION_TOKENS if method == "awq" else ON_LOAD_CALIBRATION_TOKENS
     if calibration != "rtn" and calibration_tokens < 1:
         raise ValueError(f"--calibration-tokens must be at least 1, not {calibration_tokens}")
     out = Path(out).expanduser().resolve()
