@@ -106,7 +106,8 @@ def test_greedy_answers_on_the_gpu_equal_a_server_without_speculation(plain_gpu:
     partings = []
     for code, ask in PASSAGES:
         messages = _messages(code, ask)
-        (spec, spec_finish), (plain, plain_finish) = (_greedy(url, messages, 48, False) for url in (spec_gpu, plain_gpu))
+        spec, spec_finish = _greedy(spec_gpu, messages, 48, False)
+        plain, plain_finish = _greedy(plain_gpu, messages, 48, False)
         partings.append(greedy_parting(spec, plain))
         if partings[-1] is None:
             assert len(spec) == 48 and spec_finish == plain_finish

@@ -1,6 +1,6 @@
 """GPTQ (quant/gptq.py): on correlated inputs its output error beats round-to-nearest's at the same group size (INT4)
-or in the same e4m3 per-channel format (FP8) or on the same fixed INT4 grids, an act-order result dequantizes and round-trips the GPTQ v1 layout
-exactly, and calibrate_gptq_ replaces a tiny model's decoder linears layer by layer."""
+or in the same e4m3 per-channel format (FP8) or on the same fixed INT4 grids, an act-order result dequantizes and
+round-trips the GPTQ v1 layout exactly, and calibrate_gptq_ replaces a tiny model's decoder linears layer by layer."""
 from __future__ import annotations
 
 import torch
