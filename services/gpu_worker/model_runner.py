@@ -17,6 +17,7 @@ from services.gpu_worker.attention import AttentionMetadata, make_backend
 from services.gpu_worker.batch_policy import ScheduledItem, StepPlan
 from services.gpu_worker.engine_config import BatchingLimits, EngineConfig
 from services.gpu_worker.kv_cache import KVCache, select_pages
+from services.gpu_worker.model.adopt import move_buffers_, parameters_on_meta
 from services.gpu_worker.model.loader import LoadedModel, bundled_gguf_path, load_model
 from services.gpu_worker.model.registry import architecture_for_type
 from services.gpu_worker.prompt_logprobs import (
@@ -69,8 +70,14 @@ class ModelRunner:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         model_class = architecture_for_type(loaded.config.arch).model_class  # model/registry.py
-        self.model = model_class(loaded.config, self.tp).to(device=self.device, dtype=dtype)
-        self.num_quantized_layers = self._load_weights(loaded, config.quantization)
+        if owns_weights:  # the model's parameters are the loader's tensors, not copies of them (model/adopt.py)
+            with parameters_on_meta():
+                self.model = model_class(loaded.config, self.tp)
+            move_buffers_(self.model, self.device)
+        else:  # the caller keeps the loaded tensors (to build another engine from them): the model copies them
+            self.model = model_class(loaded.config, self.tp).to(device=self.device, dtype=dtype)
+        self.num_quantized_layers = self._load_weights(loaded, config.quantization,
+                                                       meta_to=(self.device, dtype) if owns_weights else None)
         # what the weights are, for the start-up log: the dtype, or the quantization and where it came from
         dtype_name = str(dtype).removeprefix("torch.")
         origin = ("as the checkpoint holds them" if loaded.quantization else
@@ -117,7 +124,8 @@ class ModelRunner:
         self.device = tp.local_device(self.device)
         return tp
 
-    def _load_weights(self, loaded: LoadedModel, method: str | None) -> int:
+    def _load_weights(self, loaded: LoadedModel, method: str | None,
+                      meta_to: tuple[torch.device, torch.dtype] | None) -> int:
         """The weights into the model (under TP: this rank's slices), quantized where asked (quant/): a quantized
         checkpoint's layers as published, the bundled GGUF's own 4-bit blocks (`gguf`), or every decoder linear layer
         of a dense model quantized on load → how many layers are quantized."""
@@ -130,9 +138,9 @@ class ModelRunner:
 
                 linears = shard_linear_layers(linears, self.tp.rank, self.tp.size)
             dense = {name: w for name, w in loaded.state_dict.items() if name.removesuffix(".weight") not in linears}
-            self.model.load_weights(dense, local=install_(self.model, linears))
+            self.model.load_weights(dense, local=install_(self.model, linears), meta_to=meta_to)
             return len(linears)
-        self.model.load_weights(loaded.state_dict)
+        self.model.load_weights(loaded.state_dict, meta_to=meta_to)
         if method is None:
             return 0
         from services.gpu_worker.quant.apply import quantize_linears_

@@ -189,17 +189,24 @@ class LlamaForCausalLM(nn.Module):
             return gemv(hidden, weight).float()
         return F.linear(hidden, weight).float()
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor], local: dict[str, torch.Tensor] | None = None) -> None:
+    def load_weights(self, state_dict: dict[str, torch.Tensor], local: dict[str, torch.Tensor] | None = None,
+                     meta_to: tuple[torch.device, torch.dtype] | None = None) -> None:
         """Load an HF-named state dict; every parameter must be present and no extra key allowed.
 
         Under TP the dict is the full model's: this rank copies in its slices (parallel/shard.py). `local`: tensors
-        already this rank's (a quantized checkpoint's layers, sliced whole), loaded as they are.
+        already this rank's (a quantized checkpoint's layers, sliced whole), loaded as they are. meta_to: (device,
+        dtype) of a model built with its parameters on meta (model/adopt.py), which takes the dict's tensors as its
+        parameters where it can instead of copying them.
         """
         if self.tp is not None:
             from services.gpu_worker.parallel.shard import shard_state_dict
 
             state_dict = shard_state_dict(state_dict, self.config, self.tp.rank, self.tp.size)
         state_dict = {**state_dict, **(local or {})}
+        if meta_to is not None:
+            from services.gpu_worker.model.adopt import adopt_parameters_
+
+            adopt_parameters_(self, state_dict, *meta_to)
         missing, unexpected = self.load_state_dict(state_dict, strict=False)
         unexpected = [k for k in unexpected if not k.endswith("rotary_emb.inv_freq")]
         if self.config.tie_word_embeddings:
