@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.gpu_worker.spec.adaptive import AdaptiveK, DraftBudget, DraftCosts
+from services.gpu_worker.spec.adaptive import CUDA_RIDGE_TOKENS, AdaptiveK, DraftBudget, DraftCosts
 from tests.unit.test_batch_policy import end_step, new_seq, small_policy, step
 
 
@@ -150,6 +150,79 @@ def test_empty_proposals_in_a_row_back_off() -> None:
 
 
 def test_costs_by_engine() -> None:
-    assert DraftCosts.for_engine("cuda", overlapped=True) == DraftCosts(0.3, 0.02)
-    assert DraftCosts.for_engine("cuda", overlapped=False) == DraftCosts(0.05, 0.02)
+    assert DraftCosts.for_engine("cuda", overlapped=True) == DraftCosts(0.3, 0.02, CUDA_RIDGE_TOKENS)
+    assert DraftCosts.for_engine("cuda", overlapped=False) == DraftCosts(0.05, 0.02, CUDA_RIDGE_TOKENS)
     assert DraftCosts.for_engine("cpu", overlapped=True) == DraftCosts.for_engine("cpu", overlapped=False) == CPU
+
+
+CUDA = DraftCosts.for_engine("cuda", overlapped=True)
+
+
+def test_a_step_past_the_ridge_costs_its_rows() -> None:
+    """On the H100 a drafting step of 64 decodes (320 rows at k = 4) cost 0.57 plain steps more, of 1 decode 0.20 and
+    of 8 decodes 0.43: below the ridge only the fixed cost counts, past it the padded rows do."""
+    assert CUDA.step_cost(1, 4) == CUDA.step_cost(8, 4) == CUDA.step
+    assert CUDA.step_cost(64, 4) == pytest.approx(CUDA.step + 64 * 5 / CUDA_RIDGE_TOKENS - 1)
+    assert CUDA.step_cost(512, 4) == pytest.approx(CUDA.step + 4)  # compute-bound both ways: 5x the rows
+    assert CPU.step_cost(64, 4) == CPU.step
+
+
+def _drafted_steps(adaptive: AdaptiveK, budgets: list[DraftBudget], steps: int, accepted: float) -> int:
+    """Steps in which some of these decodes draft, each draft token accepted at this rate (0 or 1 here)."""
+    drafted = 0
+    for _ in range(steps):
+        ks = adaptive.plan(budgets, len(budgets))
+        drafted += any(ks)
+        for budget, k in zip(budgets, ks):
+            if k:
+                adaptive.update(budget, k, int(k * accepted))
+    return drafted
+
+
+def test_at_batch_64_drafts_that_never_land_cost_few_steps() -> None:
+    """α = 0 at batch 64 on the H100 drafted in 12 of 96 steps (all 64 sequences together) and cost 7.1 %: each
+    such step runs 320 rows. Priced by its rows, the step stops drafting after one miss."""
+    adaptive = AdaptiveK(max_k=4, costs=CUDA)
+    assert _drafted_steps(adaptive, [adaptive.new_budget() for _ in range(64)], 96, 0.0) <= 3
+    alone = AdaptiveK(max_k=4, costs=CUDA)  # at batch 1 the step is cheap: the priors take a few misses to unlearn
+    assert 3 <= _drafted_steps(alone, [alone.new_budget()], 96, 0.0) <= 9
+
+
+def test_at_batch_64_only_drafts_that_pay_for_the_rows_are_made() -> None:
+    adaptive = AdaptiveK(max_k=4, costs=CUDA)
+    good = [adaptive.new_budget() for _ in range(64)]
+    for budget in good:
+        _verify_many(adaptive, budget, 4, [4, 3, 2, 4, 3, 4])  # about 0.8
+    assert adaptive.plan(good, 64) == [4] * 64
+    half = [adaptive.new_budget() for _ in range(64)]
+    for budget in half:
+        _verify_many(adaptive, budget, 4, [1, 0, 2, 0, 1, 1, 0, 1])  # about 0.5: lost at batch 64 (H100: 1.7x TPOT)
+    assert adaptive.plan(half, 64) == [0] * 64
+    lone = adaptive.new_budget()
+    _verify_many(adaptive, lone, 4, [1, 0, 2, 0, 1, 1, 0, 1])
+    assert adaptive.plan([lone], 1) != [0]  # the same estimates pay at batch 1
+
+
+def test_one_due_probe_does_not_make_a_big_step_verify() -> None:
+    """Served sequences fall due for their probes at different steps; if each probe made its step a verify step, a
+    batch of 64 would pay 1.6 steps nearly every step for one sequence's probe. A due probe waits for a step that
+    drafts anyway, or for enough probes due together to pay for one."""
+    adaptive = AdaptiveK(max_k=4, costs=CUDA, probe_interval_steps=4)
+    budgets = [adaptive.new_budget() for _ in range(64)]
+    for budget in budgets:
+        _verify_many(adaptive, budget, 4, [0] * 6)
+    for i, budget in enumerate(budgets):  # backed off, probes due at different steps: the first now
+        adaptive._back_off(budget)
+        budget.num_wait_steps = 1 + i
+    assert adaptive.plan(budgets, 64) == [0] * 64
+    assert adaptive.is_waiting(budgets[0]) and budgets[0].num_wait_steps == 0  # still due
+    for _ in range(63):
+        ks = adaptive.plan(budgets, 64)
+        if any(ks):
+            break
+    assert any(ks) and sum(k > 0 for k in ks) * adaptive.best(DraftBudget())[1] > CUDA.step_cost(64, 4) * 64  # they pay together
+    lone = adaptive.new_budget()
+    _verify_many(adaptive, lone, 4, [0] * 6)
+    adaptive._back_off(lone)
+    lone.num_wait_steps = 1
+    assert adaptive.plan([lone], 1) != [0]  # alone, a probe drafts when it falls due
