@@ -3,8 +3,8 @@
 # the pending GPU runs of the open issues, grouped into calls of under 600 s, the runs that can close an issue first.
 # Steps write under $OUT/steps (bundled as steps.tgz); the card's name is in steps/gpu.txt.
 #   [PLAN_BUDGET_S=570] bash bench/device_plan.sh R PLAN     R: the carried tree's root (for .tok); PLAN: a | b | c | t
-# a: the replay ratios at α 0.95 and batch 64 (issue 26), the structured-output mask's step cost (issue 29), the MoE
-#    batch-1 step against its roofline (issue 27).
+# a: the replay ratios at α 0.95, 0.8, 0.5 and 0, batches 1 and 64 (issue 26), the MoE batch-1 step against its
+#    roofline and the MoE served W0 (issue 27), the structured-output mask's step cost (issue 29) if time is left.
 # t: speculation served on CUDA, greedy identity over HTTP for both proposers (issue 26); needs the bundled model,
 #    whose package travels in two parts (device_pack.sh --bundled), so it is the third call on a warm machine.
 # b: the MoE model served, W0 and W1 (issue 27), and the AWQ step at 64 sequences on dequantize-then-cuBLAS (issue 25).
@@ -17,9 +17,10 @@ echo "device_plan: $plan on $(nvidia-smi --query-gpu=name --format=csv,noheader 
 case "$plan" in
     a)
         bash bench/device_steps.sh "${PLAN_BUDGET_S:-570}" \
-            "spec|150|python -m bench.spec_decode --device cuda --model random:llama3-8b --proposer replay --alpha 0.95 0.8 0 --k 4 --batches 1 64 --rounds 2 --max-tokens 96 --out $S/spec.json" \
-            "so|100|python -m bench.structured_output --device cuda --model random:llama3-8b --tokenizer $R/.tok --batches 1 64 --out $S/so.json" \
-            "moe|200|python -m bench.model_speed --presets qwen3-30b-a3b,qwen3-30b-a3b:torch_routing --out $S/ms_moe"
+            "spec|170|python -m bench.spec_decode --device cuda --model random:llama3-8b --proposer replay --alpha 0.95 0.8 0.5 0 --k 4 --batches 1 64 --rounds 2 --max-tokens 96 --out $S/spec.json" \
+            "moe|170|python -m bench.model_speed --presets qwen3-30b-a3b,qwen3-30b-a3b:torch_routing --out $S/ms_moe" \
+            "servemoe|220|SUITE_TIMEOUT_S=210 bash bench/served_gpu.sh moe w0 --serve-args '--model random:qwen3-30b-a3b --device cuda'" \
+            "so|100|python -m bench.structured_output --device cuda --model random:llama3-8b --tokenizer $R/.tok --batches 1 64 --out $S/so.json"
         ;;
     b)
         bash bench/device_steps.sh "${PLAN_BUDGET_S:-570}" \
