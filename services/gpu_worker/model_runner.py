@@ -17,7 +17,7 @@ from services.gpu_worker.attention import AttentionMetadata, make_backend
 from services.gpu_worker.batch_policy import ScheduledItem, StepPlan
 from services.gpu_worker.engine_config import BatchingLimits, EngineConfig
 from services.gpu_worker.kv_cache import KVCache, select_pages
-from services.gpu_worker.model.adopt import move_buffers_, parameters_on_meta
+from services.gpu_worker.model.adopt import adopt_parameters_, move_buffers_, parameters_on_meta
 from services.gpu_worker.model.loader import LoadedModel, bundled_gguf_path, load_model
 from services.gpu_worker.model.registry import architecture_for_type
 from services.gpu_worker.prompt_logprobs import (
@@ -70,12 +70,11 @@ class ModelRunner:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         model_class = architecture_for_type(loaded.config.arch).model_class  # model/registry.py
-        if owns_weights:  # the model's parameters are the loader's tensors, not copies of them (model/adopt.py)
-            with parameters_on_meta():
-                self.model = model_class(loaded.config, self.tp)
-            move_buffers_(self.model, self.device)
-        else:  # the caller keeps the loaded tensors (to build another engine from them): the model copies them
-            self.model = model_class(loaded.config, self.tp).to(device=self.device, dtype=dtype)
+        with parameters_on_meta():  # no parameter allocated or initialised yet (model/adopt.py)
+            self.model = model_class(loaded.config, self.tp)
+        move_buffers_(self.model, self.device)
+        if not owns_weights:  # the caller keeps the loaded tensors (to build another engine from them): the model
+            adopt_parameters_(self.model, {}, self.device, dtype)  # gets memory of its own, and the load copies
         self.num_quantized_layers = self._load_weights(loaded, config.quantization,
                                                        meta_to=(self.device, dtype) if owns_weights else None)
         # what the weights are, for the start-up log: the dtype, or the quantization and where it came from

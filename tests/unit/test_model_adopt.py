@@ -81,3 +81,22 @@ def test_only_whole_tensors_of_the_right_kind_are_adopted() -> None:
     assert model.b.bias.dtype == torch.float32 and not any(p.is_meta for p in model.parameters())
     model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     assert torch.equal(model.b.weight, state["b.weight"]) and torch.equal(model.a.weight, whole)
+
+
+def test_an_engine_given_tensors_its_caller_keeps_copies_them(monkeypatch) -> None:
+    """A caller's LoadedModel (two engines built from one) is left alone: the model's parameters are its own, and
+    never initialised in memory (nn.Linear's initialisation runs on meta tensors only)."""
+    given = load_model("random:tiny-llama", seed=0)
+    real_init = nn.init.kaiming_uniform_
+
+    def meta_only(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        assert tensor.is_meta, "a parameter was initialised in memory, then overwritten by the load"
+        return real_init(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(nn.init, "kaiming_uniform_", meta_only)
+    engine = Engine(EngineConfig(model="random:tiny-llama", device="cpu", dtype="float32", num_pages=64), loaded=given)
+    given_ptrs = {t.untyped_storage().data_ptr() for t in given.state_dict.values()}
+    params = dict(engine.model.named_parameters())
+    assert not any(p.untyped_storage().data_ptr() in given_ptrs for p in params.values())
+    for name, param in params.items():
+        assert torch.equal(param, given.state_dict[name])
