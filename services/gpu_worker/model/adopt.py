@@ -23,7 +23,9 @@ from torch import nn
 @contextlib.contextmanager
 def parameters_on_meta() -> Iterator[None]:
     """Within: every parameter a module registers is put on the meta device (buffers are left where they are built),
-    so that building a model allocates and initialises no weight."""
+    so that building a model allocates and initialises no weight. It patches nn.Module for the whole process: a
+    module that another thread builds meanwhile gets meta parameters too (a runner builds its model on one thread,
+    and nothing else in a worker builds modules)."""
     register = nn.Module.register_parameter
 
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
