@@ -75,8 +75,8 @@ class ModelRunner:
         move_buffers_(self.model, self.device)
         if not owns_weights:  # the caller keeps the loaded tensors (to build another engine from them): the model
             adopt_parameters_(self.model, {}, self.device, dtype)  # gets memory of its own, and the load copies
-        self.num_quantized_layers = self._load_weights(loaded, config.quantization,
-                                                       meta_to=(self.device, dtype) if owns_weights else None)
+        # the load adopts the loader's tensors as the parameters still on meta (none left where the caller keeps them)
+        self.num_quantized_layers = self._load_weights(loaded, config.quantization, meta_to=(self.device, dtype))
         # what the weights are, for the start-up log: the dtype, or the quantization and where it came from
         dtype_name = str(dtype).removeprefix("torch.")
         origin = ("as the checkpoint holds them" if loaded.quantization else
