@@ -2,13 +2,17 @@
 # On the device machine, after `R=$PWD; source bench/device_clean.sh && cd /tmp/clean` (carried: see device_pack.sh):
 # the pending GPU runs of the open issues, grouped into calls of under 600 s, the runs that can close an issue first.
 # Steps write under $OUT/steps (bundled as steps.tgz); the card's name is in steps/gpu.txt.
-#   [PLAN_BUDGET_S=570] bash bench/device_plan.sh R PLAN     R: the carried tree's root (for .tok); PLAN: a | b | c | t
+#   [PLAN_BUDGET_S=570] bash bench/device_plan.sh R PLAN     R: the carried tree's root (for .tok); PLAN: a|b|c|m|n|t
 # a: the replay ratios at α 0.95, 0.8, 0.5 and 0, batches 1 and 64 (issue 26), the MoE batch-1 step against its
 #    roofline and the MoE served W0 (issue 27), the structured-output mask's step cost (issue 29) if time is left.
 # t: speculation served on CUDA, greedy identity over HTTP for both proposers (issue 26); needs the bundled model,
 #    whose package travels in two parts (device_pack.sh --bundled), so it is the third call on a warm machine.
 # b: the MoE model served, W0 and W1 (issue 27), and the AWQ step at 64 sequences on dequantize-then-cuBLAS (issue 25).
 # c: the served W1, W0 and W6 of Llama-3.1-8B with serve's defaults (issue 24).
+# m: the MoE decode path (kernels/moe_gemv.py) by tile against the grouped GEMM at 1-16 tokens, the router at one
+#    token; the MoE model's batch-1 step against its roofline; the MoE served W0 (issue 27).
+# n: the MoE model's steps and served W1 (400 requests: its KV pool on 80 GB holds ~70 sequences of 2,000 tokens)
+#    after tuning from plan m, and the routing A/B (issue 27).
 set -u
 R=$1 plan=$2
 S=$OUT/steps
@@ -26,6 +30,17 @@ case "$plan" in
         bash bench/device_steps.sh "${PLAN_BUDGET_S:-570}" \
             "servemoe|440|SUITE_TIMEOUT_S=430 bash bench/served_gpu.sh moe w0,w1 --serve-args '--model random:qwen3-30b-a3b --device cuda'" \
             "awq|110|python -m bench.model_speed --presets llama3-8b@awq --out $S/ms_awq"
+        ;;
+    m)
+        bash bench/device_steps.sh "${PLAN_BUDGET_S:-570}" \
+            "moesweep|240|python -m bench.kernel_table --out $S/kt_moe --no-table --moe --moe-tokens 1,2,4,8,16 --moe-tiles '16,64,64,4,2;16,32,64,4,3;16,64,128,4,3;16,128,64,8,3' --moe-gemv-sweep" \
+            "moe|130|python -m bench.model_speed --presets qwen3-30b-a3b --out $S/ms_moe" \
+            "servemoe|190|SUITE_TIMEOUT_S=180 bash bench/served_gpu.sh moe w0 --serve-args '--model random:qwen3-30b-a3b --device cuda'"
+        ;;
+    n)
+        bash bench/device_steps.sh "${PLAN_BUDGET_S:-570}" \
+            "moe|170|python -m bench.model_speed --presets qwen3-30b-a3b,qwen3-30b-a3b:torch_routing --out $S/ms_moe" \
+            "servemoe|390|SUITE_TIMEOUT_S=380 bash bench/served_gpu.sh moe w1 --w1-requests 400 --serve-args '--model random:qwen3-30b-a3b --device cuda'"
         ;;
     c)
         SUITE_TIMEOUT_S=545 bash bench/served_gpu.sh r1 w1,w0,w6 --w6-duration-s 300 --w6-concurrency 512

@@ -12,12 +12,14 @@ next node. The row `empty`, a kernel of one program that does nothing, is that f
 
     python -m bench.kernel_table --out $OUT [--tile-sweep] [--split-sweep] [--gemv-sweep] [--w4a16-sweep]
         [--fp8-gemv-sweep]  # Llama-3.1-8B
-    python -m bench.kernel_table --out $OUT --no-table --moe [--moe-tiles 16,64,64,4,2;...]  # Qwen3-30B-A3B's MoE
+    python -m bench.kernel_table --out $OUT --no-table --moe [--moe-tiles 16,64,64,4,2;...] [--moe-tokens 1,8]
+        [--moe-gemv-sweep]  # Qwen3-30B-A3B's MoE
 
 The sweeps time one kernel over its options: the decode kernel by tile at small batches and by split count at large
 ones; the model's projections on cuBLAS and on kernels/gemv.py by tile and split count (gemv_sweep, whose fastest
 tiles gemv_tuning turns into that module's TUNED table). --moe times the fused MoE layer (kernels/fused_moe.py) on
-Qwen3-30B-A3B's expert shapes, by token count and, with --moe-tiles, by tile.
+Qwen3-30B-A3B's expert shapes, by token count and, with --moe-tiles, by tile; --moe-gemv-sweep adds the decode
+path (kernels/moe_gemv.py) by tile and the router at one token.
 """
 from __future__ import annotations
 
@@ -346,25 +348,37 @@ class Table:
 
         self.measure(f"embedding_T{tokens}", 2 * tokens * self.s.hidden * self.esize, build)
 
-    def moe(self, m: MoeShapes, tokens: int, tile: tuple | None = None) -> dict:
-        """The fused MoE layer (align, both grouped GEMMs, top-k combine) over a random routing of `tokens` tokens,
-        each call with weights and a routing of its own. Bytes: x, the output and the weights of the experts hit
-        (their expected number, E·(1 − (1 − k/E)^T) for k distinct experts a token drawn at random)."""
+    def moe(self, m: MoeShapes, tokens: int, tile: tuple | None = None, gemv: tuple | None = None) -> dict:
+        """The MoE layer's experts over a random routing of `tokens` tokens, each call with weights and a routing of
+        its own: with `tile` (MoeTile fields) the sort and grouped GEMM (fused_moe with gemv_max_tokens 0); with
+        `gemv` (a (gate_up, down) pair of GemvTile fields) kernels/moe_gemv.py; with neither, as served (fused_moe's
+        defaults). Bytes: x, the output and the weights of the experts hit (their expected number,
+        E·(1 − (1 − k/E)^T) for k distinct experts a token drawn at random)."""
         from services.gpu_worker.kernels import fused_moe as fm
+        from services.gpu_worker.kernels import moe_gemv as mg
 
         cfg = None if tile is None else fm.MoeTile(*tile)
+        gemv_cfg = None if gemv is None else mg.MoeGemvConfig(*(mg.GemvTile(*g) for g in gemv))
 
         def build(i: int):
             gate_up = self.randn(m.num_experts, 2 * m.inter, m.hidden) * m.hidden ** -0.5  # [E, 2I, H]
             down = self.randn(m.num_experts, m.hidden, m.inter) * m.inter ** -0.5  # [E, H, I]
             x = self.randn(tokens, m.hidden)
             weights, ids = torch.rand(tokens, m.num_experts, device=self.dev).topk(m.top_k)  # [T, k] each
-            call = lambda: fm.fused_moe(x, gate_up, down, ids, weights, tile=cfg)  # noqa: E731
+            if gemv_cfg is not None:
+                call = lambda: mg.moe_gemv(x, gate_up, down, ids, weights, gemv_cfg)  # noqa: E731
+            elif cfg is not None:
+                call = lambda: fm.fused_moe(x, gate_up, down, ids, weights, tile=cfg, gemv_max_tokens=0)  # noqa: E731
+            else:
+                call = lambda: fm.fused_moe(x, gate_up, down, ids, weights)  # noqa: E731
             return call, (lambda: rel_err(call(), fm.fused_moe_ref(x, gate_up, down, ids, weights)))
 
         hit = m.num_experts * (1 - (1 - m.top_k / m.num_experts) ** tokens)
         num_bytes = round(hit * 3 * m.hidden * m.inter * self.esize) + 2 * tokens * m.hidden * self.esize
-        label = "" if tile is None else "_{}x{}x{}w{}s{}".format(*tile)
+        if gemv is not None:
+            label = "_gemv_{}x{}w{}s{}_{}x{}w{}s{}".format(*gemv_cfg.gate_up, *gemv_cfg.down)
+        else:
+            label = "" if tile is None else "_{}x{}x{}w{}s{}".format(*cfg)
         return self.measure(f"moe_E{m.num_experts}_k{m.top_k}_T{tokens}{label}", num_bytes, build,
                             flops=2 * tokens * m.top_k * 3 * m.hidden * m.inter)
 
@@ -636,14 +650,36 @@ def gemv_tuning(best: dict, tokens: int = 1) -> tuple[dict, int]:
     return tuned, (min(counts, key=row_time) if counts else g.ROW_PARTS)
 
 
+# kernels/moe_gemv.py's tiles, swept one kernel at a time around its default (the other kernel at its default)
+MOE_GEMV_GATE_UP = ((1, 2048, 4, 1), (2, 2048, 4, 1), (4, 2048, 4, 1), (2, 2048, 8, 1), (2, 1024, 4, 1),
+                    (4, 1024, 4, 1), (8, 512, 4, 1), (4, 512, 4, 2))
+MOE_GEMV_DOWN = ((2, 256, 4, 1), (4, 256, 4, 1), (8, 256, 4, 1), (16, 256, 4, 1), (8, 128, 4, 1), (4, 1024, 4, 1),
+                 (8, 256, 8, 1), (16, 128, 4, 2))
+
+
 def moe_rows(shapes: MoeShapes = QWEN3_30B_A3B, timer: Timer = graph_timer, max_calls: int = MAX_CALLS,
              copy_tbs: float | None = None, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
-             tiles: tuple = (None,)) -> dict:
-    """The fused MoE at each of shapes.tokens, with each tile (MoeTile fields; None: fused_moe.default_tile)."""
+             tiles: tuple = (None,), tokens: tuple | None = None, gemv_sweep: bool = False,
+             gemv_max_tokens: int = 16) -> dict:
+    """The MoE experts at each of `tokens` (shapes.tokens), with each tile (MoeTile fields; None: as served); with
+    gemv_sweep also, up to gemv_max_tokens tokens, kernels/moe_gemv.py by tile (MOE_GEMV_GATE_UP with down's default
+    tile, MOE_GEMV_DOWN with gate_up's), and at one token the router's logits on cuBLAS and on kernels/gemv.py."""
+    from services.gpu_worker.kernels import moe_gemv as mg
+
     t = Table(None, timer, max_calls, copy_tbs, device, dtype)
-    for tokens in shapes.tokens:
+    base = mg.default_config(shapes.hidden, shapes.inter)
+    for m in tokens or shapes.tokens:
         for tile in tiles:
-            t.moe(shapes, tokens, tile)
+            t.moe(shapes, m, tile)
+        if gemv_sweep and m <= gemv_max_tokens:
+            combos = [(g, tuple(base.down)) for g in MOE_GEMV_GATE_UP] + \
+                [(tuple(base.gate_up), d) for d in MOE_GEMV_DOWN if d != tuple(base.down)]
+            for combo in dict.fromkeys(combos):
+                t.moe(shapes, m, gemv=combo)
+    if gemv_sweep:
+        t.gemv("router", 1, shapes.num_experts, shapes.hidden, 1)
+        for cfg in ((2, 2048, 4, 1), (1, 2048, 4, 1), (4, 1024, 4, 1)):
+            t.gemv("router", 1, shapes.num_experts, shapes.hidden, 1, cfg)
     return t.rows
 
 
@@ -676,6 +712,10 @@ def main() -> int:
                    "(moe_rows), under the key moe")
     p.add_argument("--moe-tiles", default="", help="--moe with these tiles (block_m,block_n,block_k,warps,stages "
                    "separated by ';') instead of fused_moe.default_tile")
+    p.add_argument("--moe-tokens", default="", help="--moe at these token counts (comma-separated) instead of "
+                   "QWEN3_30B_A3B.tokens")
+    p.add_argument("--moe-gemv-sweep", action="store_true", help="--moe with kernels/moe_gemv.py by tile too, up to 16 "
+                   "tokens, and the router's logits at one token on cuBLAS and on the Triton GEMV")
     p.add_argument("--no-table", action="store_true", help="leave out the kernels' rows (with a sweep)")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -694,7 +734,8 @@ def main() -> int:
     sweep = functools.partial(tile_sweep, sweep_shapes=shapes or SWEEP_SHAPES, tiles={FP8: fp8_tiles} if fp8_tiles
                               else None)
     moe_tiles = tuple(tuple(int(x) for x in tile.split(",")) for tile in args.moe_tiles.split(";") if tile)
-    moe = functools.partial(moe_rows, tiles=moe_tiles or (None,))
+    moe_tokens = tuple(int(x) for x in args.moe_tokens.split(",") if x) or None
+    moe = functools.partial(moe_rows, tiles=moe_tiles or (None,), tokens=moe_tokens, gemv_sweep=args.moe_gemv_sweep)
     parts = (({} if args.no_table else {"rows": table}) | ({"tile_sweep": sweep} if args.tile_sweep else {})
              | ({"split_sweep": split_sweep} if args.split_sweep else {})
              | ({"gemv_sweep": gemv_sweep} if args.gemv_sweep else {})

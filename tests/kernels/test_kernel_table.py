@@ -120,6 +120,28 @@ def test_the_moe_rows_check_the_fused_layer_and_count_the_experts_hit():
     assert everyone["moe_E4_k4_T3"]["bytes"] == 4 * expert_bytes + 2 * 3 * 32 * esize
 
 
+def test_the_moe_gemv_sweep_checks_each_decode_tile_and_the_router():
+    """--moe-gemv-sweep: at a token count up to its limit, kernels/moe_gemv.py with each gate_up tile (down at its
+    default) and each other down tile, every one against the reference; none past the limit; the router's logits at
+    one token on cuBLAS and on the Triton GEMV."""
+    from services.gpu_worker.kernels.moe_gemv import default_config
+
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    timer = kt.graph_timer if DEVICE == "cuda" else kt.eager_timer
+    shapes = kt.MoeShapes(hidden=32, inter=24, num_experts=8, top_k=2, tokens=(1, 3))
+    rows = kt.moe_rows(shapes, timer=timer, max_calls=2, device=DEVICE, dtype=dtype, tiles=((16, 16, 16, 4, 1),),
+                       gemv_sweep=True, gemv_max_tokens=2)
+    gemv_rows = [name for name in rows if "_gemv_" in name]
+    assert gemv_rows and all(name.startswith("moe_E8_k2_T1_gemv_") for name in gemv_rows)
+    base_down = tuple(default_config(32, 24).down)  # not among MOE_GEMV_DOWN at these shapes: 8 + 8 rows
+    assert len(gemv_rows) == len(kt.MOE_GEMV_GATE_UP) + len([d for d in kt.MOE_GEMV_DOWN if d != base_down]) == 16
+    assert {"moe_E8_k2_T1_16x16x16w4s1", "moe_E8_k2_T3_16x16x16w4s1", "gemv_router_M1_p1_cublas",
+            "gemv_router_M1_p1_2x2048w4s1"} <= set(rows)
+    for name, row in rows.items():
+        assert row["rel_err"] <= (2e-2 if dtype == torch.bfloat16 else 1e-5), (name, row)
+    assert rows[gemv_rows[0]]["bytes"] == rows["moe_E8_k2_T1_16x16x16w4s1"]["bytes"]
+
+
 def test_the_w4a16_sweep_checks_each_tile_against_the_dequantized_weight():
     """Each projection but the LM head at one token: the INT4 kernel at its default tile and each tile that fits K
     matches the dequantized matmul; "best" names the fastest of the tiles tried, beside the default and bf16 rows."""

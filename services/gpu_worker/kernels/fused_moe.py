@@ -12,6 +12,9 @@ the top-k combine, with no host sync (so it runs under CUDA graph capture).
                       blocks past the last expert's return at once.
     combine           [T·k, H] viewed as [T, k, H], summed over k (no atomics).
 
+    moe_gemv          decode steps of at most GEMV_MAX_TOKENS tokens skip all of the above: kernels/moe_gemv.py runs
+                      each pair as a matrix-vector product and folds the combine into the down pass (two launches).
+
     align_small       align_by_expert's result for T·k ≤ SMALL_PAIRS (decode steps) in one program instead of
                       about a dozen torch ops: the per-expert counts, the padded offsets (a cumulative sum over E),
                       each pair's rank among the earlier pairs of its expert (a T·k × T·k comparison) and the
@@ -28,8 +31,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from services.gpu_worker.kernels.moe_gemv import moe_gemv
+
 
 SMALL_PAIRS = 256  # align_small's limit: its rank step compares every pair with every other one
+# Steps of at most this many tokens take kernels/moe_gemv.py (a pair's expert weights read once per pair) instead of
+# the sort and the grouped GEMM (each expert hit read once). Not yet measured on a GPU (kernel_table --moe).
+GEMV_MAX_TOKENS = 4
 
 
 class ExpertBlocks(NamedTuple):
@@ -177,13 +185,18 @@ def moe_gemm(a: torch.Tensor, weight: torch.Tensor, blocks: ExpertBlocks, num_pa
 
 
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_ids: torch.Tensor,
-              top_weights: torch.Tensor, tile: MoeTile | None = None) -> torch.Tensor:
+              top_weights: torch.Tensor, tile: MoeTile | None = None,
+              gemv_max_tokens: int | None = None) -> torch.Tensor:
     """x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; top_ids [T, k]; top_weights [T, k] fp32 →
-    Σ_j top_weights[t, j] · down_e · (silu(gate_e · x_t) · up_e · x_t), e = top_ids[t, j]: [T, H] in x's dtype."""
+    Σ_j top_weights[t, j] · down_e · (silu(gate_e · x_t) · up_e · x_t), e = top_ids[t, j]: [T, H] in x's dtype.
+    Up to gemv_max_tokens tokens (None: GEMV_MAX_TOKENS; 0: never) on kernels/moe_gemv.py, else the grouped GEMM
+    with `tile`."""
     num_tokens, k = top_ids.shape
     num_pairs = num_tokens * k
     if num_pairs == 0:
         return torch.zeros_like(x)
+    if num_tokens <= (GEMV_MAX_TOKENS if gemv_max_tokens is None else gemv_max_tokens):
+        return moe_gemv(x, gate_up, down, top_ids, top_weights)
     tile = tile or default_tile(num_pairs)
     if num_pairs <= SMALL_PAIRS:  # decode batches: one launch
         blocks = align_small(top_ids, gate_up.shape[0], tile.block_m)
