@@ -9,8 +9,9 @@
 #    whose package travels in two parts (device_pack.sh --bundled), so it is the third call on a warm machine.
 # b: the MoE model served, W0 and W1 (issue 27), and the AWQ step at 64 sequences on dequantize-then-cuBLAS (issue 25).
 # c: the served W1, W0 and W6 of Llama-3.1-8B with serve's defaults (issue 24).
-# m: the MoE kernels' GPU tests; the MoE decode path (kernels/moe_gemv.py) by tile against the grouped GEMM at 1-16 tokens, the router at one
-#    token; the MoE model's batch-1 step against its roofline; the MoE served W0 (issue 27).
+# m: the MoE kernels' GPU tests; the MoE model's steps (batch-1 against its roofline); the MoE decode path
+#    (kernels/moe_gemv.py) by tile against the grouped GEMM at 1-16 tokens, the router at one token; the MoE served
+#    W0 and a W1 of 150 requests (issue 27).
 # n: the MoE model's steps and served W1 (400 requests: its KV pool on 80 GB holds ~70 sequences of 2,000 tokens)
 #    after tuning from plan m, and the routing A/B (issue 27).
 set -u
@@ -33,10 +34,10 @@ case "$plan" in
         ;;
     m)
         bash bench/device_steps.sh "${PLAN_BUDGET_S:-570}" \
-            "gputest|80|python -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_moe_gemv.py tests/kernels/test_fused_moe.py tests/kernels/test_moe_routing.py" \
-            "moesweep|240|python -m bench.kernel_table --out $S/kt_moe --no-table --moe --moe-tokens 1,2,4,8,16 --moe-tiles '16,64,64,4,2;16,32,64,4,3;16,64,128,4,3;16,128,64,8,3' --moe-gemv-sweep" \
+            "gputest|70|python -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_moe_gemv.py tests/kernels/test_fused_moe.py tests/kernels/test_moe_routing.py" \
             "moe|130|python -m bench.model_speed --presets qwen3-30b-a3b --out $S/ms_moe" \
-            "servemoe|190|SUITE_TIMEOUT_S=180 bash bench/served_gpu.sh moe w0 --serve-args '--model random:qwen3-30b-a3b --device cuda'"
+            "moesweep|200|python -m bench.kernel_table --out $S/kt_moe --no-table --moe --moe-tokens 1,2,4,8,16 --moe-tiles '16,64,64,4,2;16,32,64,4,3;16,64,128,4,3' --moe-gemv-sweep" \
+            "servemoe|160|SUITE_TIMEOUT_S=155 bash bench/served_gpu.sh moe w0,w1 --w1-requests 150 --serve-args '--model random:qwen3-30b-a3b --device cuda'"
         ;;
     n)
         bash bench/device_steps.sh "${PLAN_BUDGET_S:-570}" \
