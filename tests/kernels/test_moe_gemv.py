@@ -43,10 +43,10 @@ def test_matches_the_reference(num_tokens, num_experts, top_k, hidden, inter, co
         assert rel_err(moe_gemv(x, gate_up, down, ids[:, :-1], weights[:, :-1], config), want) > 1e-2
 
 
-def test_default_config_reads_whole_rows_of_gate_up():
+def test_default_config_is_the_measured_tile_capped_by_the_row():
     cfg = default_config(2048, 768)
-    assert cfg.gate_up.block_k == 2048 and cfg.down.block_k == 256
-    assert default_config(7168, 768).gate_up.block_k == 4096  # a tile of at most 4096 columns, stepped
+    assert cfg.gate_up == GemvTile(4, 512, 4, 2) and cfg.down == GemvTile(4, 256, 4, 1)
+    assert default_config(40, 24) == MoeGemvConfig(GemvTile(4, 64, 4, 2), GemvTile(4, 32, 4, 1))  # small rows
 
 
 @pytest.mark.parametrize("num_tokens", [1, fm.GEMV_MAX_TOKENS, fm.GEMV_MAX_TOKENS + 1])

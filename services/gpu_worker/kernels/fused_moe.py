@@ -36,7 +36,9 @@ from services.gpu_worker.kernels.moe_gemv import moe_gemv
 
 SMALL_PAIRS = 256  # align_small's limit: its rank step compares every pair with every other one
 # Steps of at most this many tokens take kernels/moe_gemv.py (a pair's expert weights read once per pair) instead of
-# the sort and the grouped GEMM (each expert hit read once). Not yet measured on a GPU (kernel_table --moe).
+# the sort and the grouped GEMM (each expert hit read once). On an H100, Qwen3-30B-A3B (kernel_table --moe-gemv-sweep,
+# 2026-12-07), µs a layer, GEMV against the grouped GEMM's best tile: 1 token 38.0 / 38.5, 2: 62.6 / 68.7, 4:
+# 113.4 / 115.4, 8: 203.4 / 177.7, 16: 387.7 / 279.3.
 GEMV_MAX_TOKENS = 4
 
 
@@ -56,8 +58,12 @@ class MoeTile(NamedTuple):
 
 
 def default_tile(num_pairs: int) -> MoeTile:
-    """Not measured yet (bench/kernel_table.py --moe): 16-row blocks when few pairs share an expert (decode), else
-    64."""
+    """16-row blocks when few pairs share an expert (decode), else 64. Up to 128 pairs (16 tokens of Qwen3-30B-A3B)
+    16 x 64 x 128 in three stages, measured on an H100 (bench/kernel_table.py --moe, 2026-12-07; µs a layer at 1 / 8
+    / 16 tokens, align and combine included): 38.5 / 177.7 / 279.3, where 16 x 64 x 64 in two took 54.3 / 191.5 /
+    312.6. Larger batches keep tiles not yet swept."""
+    if num_pairs <= 128:
+        return MoeTile(16, 64, 128, num_stages=3)
     return MoeTile(16, 64, 64) if num_pairs <= 1024 else MoeTile(64, 64, 64, num_stages=3)
 
 
