@@ -215,9 +215,13 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_id
 
 
 def fused_moe_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_ids: torch.Tensor,
-                  top_weights: torch.Tensor) -> torch.Tensor:
-    """fp32 reference of `fused_moe`, straight from the definition: each pair's expert weights gathered."""
-    h = torch.einsum("th,tknh->tkn", x.float(), gate_up[top_ids].float())  # [T, k, 2I]
-    gate, up = h.chunk(2, dim=-1)
-    y = torch.einsum("tki,tkhi->tkh", F.silu(gate) * up, down[top_ids].float())  # [T, k, H]
-    return (y * top_weights.float()[..., None]).sum(dim=1).to(x.dtype)
+                  top_weights: torch.Tensor, chunk: int = 8) -> torch.Tensor:
+    """fp32 reference of `fused_moe`, straight from the definition: each pair's expert weights gathered, `chunk`
+    tokens at a time (a gather of every pair's weights at once would hold T·k expert copies)."""
+    out = []
+    for xs, ids, ws in zip(x.split(chunk), top_ids.split(chunk), top_weights.split(chunk)):
+        h = torch.einsum("th,tknh->tkn", xs.float(), gate_up[ids].float())  # [t, k, 2I]
+        gate, up = h.chunk(2, dim=-1)
+        y = torch.einsum("tki,tkhi->tkh", F.silu(gate) * up, down[ids].float())  # [t, k, H]
+        out.append((y * ws.float()[..., None]).sum(dim=1))
+    return torch.cat(out).to(x.dtype) if out else torch.zeros_like(x)
