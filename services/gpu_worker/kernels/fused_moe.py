@@ -58,13 +58,16 @@ class MoeTile(NamedTuple):
 
 
 def default_tile(num_pairs: int) -> MoeTile:
-    """16-row blocks when few pairs share an expert (decode), else 64. Up to 128 pairs (16 tokens of Qwen3-30B-A3B)
-    16 x 64 x 128 in three stages, measured on an H100 (bench/kernel_table.py --moe, 2026-12-07; µs a layer at 1 / 8
-    / 16 tokens, align and combine included): 38.5 / 177.7 / 279.3, where 16 x 64 x 64 in two took 54.3 / 191.5 /
-    312.6. Larger batches keep tiles not yet swept."""
-    if num_pairs <= 128:
+    """Measured on an H100 for Qwen3-30B-A3B (bench/kernel_table.py --moe, 2026-12-07; µs a layer, align and combine
+    included). Up to 1,024 pairs (128 tokens) 16-row blocks, 16 x 64 x 128 in three stages: at 1 / 8 / 16 / 32 / 64
+    / 128 tokens 38.5 / 177.7 / 279.3 / 375.3 / 484.5 / 497.7, where 16 x 64 x 64 in two took 54.3 / 191.5 / 312.6 /
+    390.8 / 505.9 / 516.1. At 512 tokens 64 x 64 x 64 in three (530.0; 128 x 128 x 64 560.2); from 16,384 pairs
+    (2,048 tokens: prefill chunks) 128 x 128 x 64 with 8 warps in three (818.7 against 881.3)."""
+    if num_pairs <= 1024:
         return MoeTile(16, 64, 128, num_stages=3)
-    return MoeTile(16, 64, 64) if num_pairs <= 1024 else MoeTile(64, 64, 64, num_stages=3)
+    if num_pairs < 16384:
+        return MoeTile(64, 64, 64, num_stages=3)
+    return MoeTile(128, 128, 64, num_warps=8, num_stages=3)
 
 
 def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
