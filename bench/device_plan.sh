@@ -50,7 +50,7 @@ case "$plan" in
         bash bench/device_steps.sh "${PLAN_BUDGET_S:-570}" \
             "gputest|50|python -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_moe_gemv.py tests/kernels/test_fused_moe.py" \
             "moe|70|python -m bench.model_speed --presets qwen3-30b-a3b --out $S/ms_moe" \
-            "moesweep|200|python -m bench.kernel_table --out $S/kt_moe --no-table --moe --moe-tokens 32,64,128,2048,8192 --moe-tiles '16,64,64,4,2;16,64,128,4,3;32,64,128,4,3;64,64,64,4,3;64,128,64,8,3;128,128,64,8,3;128,64,64,4,3'" \
+            "moesweep|200|python -m bench.kernel_table --out $S/kt_moe --no-table --moe --moe-tokens 32,64,128,512,2048 --moe-tiles '16,64,64,4,2;16,64,128,4,3;64,64,64,4,3;128,128,64,8,3'" \
             "servemoe|150|SUITE_TIMEOUT_S=145 bash bench/served_gpu.sh moe w0 --serve-args '--model random:qwen3-30b-a3b --device cuda'"
         ;;
     c)
