@@ -2,7 +2,7 @@
 # On the device machine, after `R=$PWD; source bench/device_clean.sh && cd /tmp/clean` (carried: see device_pack.sh):
 # the pending GPU runs of the open issues, grouped into calls of under 600 s, the runs that can close an issue first.
 # Steps write under $OUT/steps (bundled as steps.tgz); the card's name is in steps/gpu.txt.
-#   [PLAN_BUDGET_S=570] bash bench/device_plan.sh R PLAN     R: the carried tree's root (for .tok); PLAN: a|b|c|m|n|o|t
+#   [PLAN_BUDGET_S=570] bash bench/device_plan.sh R PLAN     R: the carried tree's root (for .tok); PLAN: a|b|c|m|n|o|p|t
 # a: the replay ratios at α 0.95, 0.8, 0.5 and 0, batches 1 and 64 (issue 26), the MoE batch-1 step against its
 #    roofline and the MoE served W0 (issue 27), the structured-output mask's step cost (issue 29) if time is left.
 # t: speculation served on CUDA, greedy identity over HTTP for both proposers (issue 26); needs the bundled model,
@@ -14,6 +14,8 @@
 #    W0 and a W1 of 150 requests (issue 27).
 # n: the MoE model's steps and served W1 (400 requests: its KV pool on 80 GB holds ~70 sequences of 2,000 tokens)
 #    after tuning from plan m, and the routing A/B (issue 27).
+# p: the MoE model's dense GEMVs (q/k/v, o, LM head) by tile, for kernels/gemv.TUNED; its steps; the served W1 of
+#    1000 requests (on an H200, whose KV pool holds them; on 80 GB it runs past the call) (issue 27).
 # o: after plan m's tiles became the defaults: the MoE GPU tests, the model's steps, the grouped GEMM by tile from 32
 #    to 8,192 tokens (batched decode and prefill), the served W0 (issue 27).
 set -u
@@ -52,6 +54,12 @@ case "$plan" in
             "moe|70|python -m bench.model_speed --presets qwen3-30b-a3b --out $S/ms_moe" \
             "moesweep|200|python -m bench.kernel_table --out $S/kt_moe --no-table --moe --moe-tokens 32,64,128,512,2048 --moe-tiles '16,64,64,4,2;16,64,128,4,3;64,64,64,4,3;128,128,64,8,3'" \
             "servemoe|150|SUITE_TIMEOUT_S=145 bash bench/served_gpu.sh moe w0 --serve-args '--model random:qwen3-30b-a3b --device cuda'"
+        ;;
+    p)
+        bash bench/device_steps.sh "${PLAN_BUDGET_S:-570}" \
+            "gemvmoe|120|python -m bench.kernel_table --out $S/kt_gemv --no-table --gemv-sweep --gemv-model qwen3-30b-a3b" \
+            "moe|70|python -m bench.model_speed --presets qwen3-30b-a3b --out $S/ms_moe" \
+            "servemoe|370|SUITE_TIMEOUT_S=360 bash bench/served_gpu.sh moe w1 --serve-args '--model random:qwen3-30b-a3b --device cuda'"
         ;;
     c)
         SUITE_TIMEOUT_S=545 bash bench/served_gpu.sh r1 w1,w0,w6 --w6-duration-s 300 --w6-concurrency 512

@@ -12,6 +12,7 @@ next node. The row `empty`, a kernel of one program that does nothing, is that f
 
     python -m bench.kernel_table --out $OUT [--tile-sweep] [--split-sweep] [--gemv-sweep] [--w4a16-sweep]
         [--fp8-gemv-sweep]  # Llama-3.1-8B
+    python -m bench.kernel_table --out $OUT --no-table --gemv-sweep --gemv-model qwen3-30b-a3b  # its dense GEMVs
     python -m bench.kernel_table --out $OUT --no-table --moe [--moe-tiles 16,64,64,4,2;...] [--moe-tokens 1,8]
         [--moe-gemv-sweep]  # Qwen3-30B-A3B's MoE
 
@@ -78,6 +79,9 @@ QWEN3_30B_A3B = MoeShapes(hidden=2048, inter=768, num_experts=128, top_k=8, toke
 LLAMA3_8B = Shapes(hidden=4096, heads=32, kv_heads=8, head_dim=128, inter=14336, vocab=128256, page_size=16,
                    decode=((1, 640), (1, 4096), (8, 640), (64, 2048), (128, 640), (256, 1504), (384, 1504)),
                    tokens=(1, 256, 4096), extend=((4, 512), (1, 2048)), argmax_rows=(1, 128))
+# Qwen3-30B-A3B's dense projections (q/k/v, o, the LM head; inter 0: no dense MLP, its experts are moe_rows')
+QWEN3_30B_A3B_DENSE = Shapes(hidden=2048, heads=32, kv_heads=4, head_dim=128, inter=0, vocab=151936, page_size=16,
+                             decode=(), tokens=(), extend=(), argmax_rows=())
 
 
 def graph_timer(calls: list[Call]) -> float:
@@ -525,9 +529,9 @@ def split_sweep(shapes: Shapes = LLAMA3_8B, timer: Timer = graph_timer, max_call
 def gemv_shapes(s: Shapes) -> tuple:
     """(name, N, K, split-K part counts) of the model's projections at decode: the row-parallel o and down as the
     next RMSNorm takes them (fp32 partials, or whole rows at 1 part)."""
+    mlp = (("gate_up", 2 * s.inter, s.hidden, (1,)), ("down", s.hidden, s.inter, (1, 2, 4, 8))) if s.inter else ()
     return (("qkv", (s.heads + 2 * s.kv_heads) * s.head_dim, s.hidden, (1,)),
-            ("o", s.hidden, s.heads * s.head_dim, (1, 2, 4, 8)), ("gate_up", 2 * s.inter, s.hidden, (1,)),
-            ("down", s.hidden, s.inter, (1, 2, 4, 8)), ("lm_head", s.vocab, s.hidden, (1,)))
+            ("o", s.hidden, s.heads * s.head_dim, (1, 2, 4, 8)), *mlp, ("lm_head", s.vocab, s.hidden, (1,)))
 
 
 def gemv_tiles(tokens: int) -> tuple:
@@ -542,6 +546,14 @@ def gemv_tiles_wide(tokens: int) -> tuple:
     the dot kernel's tiles as gemv_tiles'."""
     if tokens == 1:
         return tuple((bn, bk, w, 1) for bn in (4, 8, 16, 32) for bk in (256, 512, 1024, 2048) for w in (2, 4, 8, 16))
+    return gemv_tiles(tokens)
+
+
+def gemv_tiles_narrow(tokens: int) -> tuple:
+    """One token, few rows a program (1 to 8) by 512 to 4096 columns, one or two stages: the region where the MoE
+    GEMV's best tile (4 x 512, two stages) and kernels/gemv.py's TUNED tiles (2 x 4096) lie; K = 2048 models."""
+    if tokens == 1:
+        return tuple((bn, bk, 4, st) for bn in (1, 2, 4, 8) for bk in (512, 1024, 2048, 4096) for st in (1, 2))
     return gemv_tiles(tokens)
 
 
@@ -645,7 +657,7 @@ def gemv_tuning(best: dict, tokens: int = 1) -> tuple[dict, int]:
     counts = sorted({b["parts"] for key, b in mine.items() if key.startswith(("o_", "down_"))})
 
     def row_time(parts: int) -> float:
-        return mine[f"o_M{tokens}_p{parts}"]["us"] + mine[f"down_M{tokens}_p{parts}"]["us"]
+        return sum(mine[key]["us"] for key in (f"o_M{tokens}_p{parts}", f"down_M{tokens}_p{parts}") if key in mine)
 
     return tuned, (min(counts, key=row_time) if counts else g.ROW_PARTS)
 
@@ -704,6 +716,9 @@ def main() -> int:
                    "(SPLIT_SHAPES x SPLIT_COUNTS), under the key split_sweep")
     p.add_argument("--gemv-sweep", action="store_true", help="also the projections on cuBLAS and on the Triton GEMV "
                    "by tile and split count at 1 and 8 tokens (gemv_sweep), under the key gemv_sweep")
+    p.add_argument("--gemv-model", choices=("llama3-8b", "qwen3-30b-a3b"), default="llama3-8b",
+                   help="--gemv-sweep's shapes: Llama-3.1-8B's projections at 1 and 8 tokens and split counts, or "
+                   "Qwen3-30B-A3B's dense ones (q/k/v, o, LM head) at one token, whole rows, over gemv_tiles_narrow")
     p.add_argument("--w4a16-sweep", action="store_true", help="also the projections at one token on the INT4 "
                    "kernel by tile (w4a16_sweep), under the key w4a16_sweep")
     p.add_argument("--fp8-gemv-sweep", action="store_true", help="also the projections at one token with e4m3 weights "
@@ -736,9 +751,14 @@ def main() -> int:
     moe_tiles = tuple(tuple(int(x) for x in tile.split(",")) for tile in args.moe_tiles.split(";") if tile)
     moe_tokens = tuple(int(x) for x in args.moe_tokens.split(",") if x) or None
     moe = functools.partial(moe_rows, tiles=moe_tiles or (None,), tokens=moe_tokens, gemv_sweep=args.moe_gemv_sweep)
+    if args.gemv_model == "qwen3-30b-a3b":
+        gemv_sweep_run = functools.partial(gemv_sweep, QWEN3_30B_A3B_DENSE, tokens=(1,), tiles=gemv_tiles_narrow,
+                                           max_parts=1)
+    else:
+        gemv_sweep_run = gemv_sweep
     parts = (({} if args.no_table else {"rows": table}) | ({"tile_sweep": sweep} if args.tile_sweep else {})
              | ({"split_sweep": split_sweep} if args.split_sweep else {})
-             | ({"gemv_sweep": gemv_sweep} if args.gemv_sweep else {})
+             | ({"gemv_sweep": gemv_sweep_run} if args.gemv_sweep else {})
              | ({"w4a16_sweep": w4a16_sweep} if args.w4a16_sweep else {})
              | ({"fp8_gemv_sweep": fp8_gemv_sweep} if args.fp8_gemv_sweep else {}) | ({"moe": moe} if args.moe else {}))
     for key, run in parts.items():

@@ -102,6 +102,25 @@ def test_the_gemv_sweep_checks_each_tile_and_tunes_from_the_fastest():
     assert {key[3] for key in tuned} == {1} and len(tuned) == sum(1 for k in res["best"] if "_M1_" in k)
 
 
+def test_a_model_without_a_dense_mlp_sweeps_its_attention_projections_and_lm_head():
+    """--gemv-model qwen3-30b-a3b: q/k/v, o and the LM head only (its MLPs are experts), each tile of
+    gemv_tiles_narrow that fits K checked against the reference; gemv_tuning makes entries for those shapes only."""
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    timer = kt.graph_timer if DEVICE == "cuda" else kt.eager_timer
+    small = kt.Shapes(hidden=512, heads=2, kv_heads=1, head_dim=256, inter=0, vocab=96, page_size=16, decode=(),
+                      tokens=(), extend=(), argmax_rows=())  # K of 512: the narrowest tiles fit
+    assert [name for name, *_ in kt.gemv_shapes(small)] == ["qkv", "o", "lm_head"]
+    assert [name for name, *_ in kt.gemv_shapes(kt.QWEN3_30B_A3B_DENSE)] == ["qkv", "o", "lm_head"]
+    tiles = {1: tuple(t for t in kt.gemv_tiles_narrow(1) if t[0] >= 4 and t[1] == 512)}
+    res = kt.gemv_sweep(small, timer=timer, max_calls=2, device=DEVICE, dtype=dtype, tokens=(1,), tiles=tiles.get,
+                        max_parts=1)
+    assert set(res["best"]) == {"qkv_M1_p1", "o_M1_p1", "lm_head_M1_p1"}
+    for name, row in res["rows"].items():
+        assert row["rel_err"] <= (2e-2 if dtype == torch.bfloat16 else 1e-5), (name, row)
+    tuned, _ = kt.gemv_tuning(res["best"])
+    assert set(tuned) == {(1024, 512, 1, 1), (512, 512, 1, 1), (96, 512, 1, 1)}
+
+
 def test_the_moe_rows_check_the_fused_layer_and_count_the_experts_hit():
     """Each token count and tile runs the fused MoE against its reference; the bytes are x, the output and the
     expected weights of the experts hit (all of them once every token picks all, here at k = E)."""
