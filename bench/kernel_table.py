@@ -352,11 +352,13 @@ class Table:
 
         self.measure(f"embedding_T{tokens}", 2 * tokens * self.s.hidden * self.esize, build)
 
-    def moe(self, m: MoeShapes, tokens: int, tile: tuple | None = None, gemv: tuple | None = None) -> dict:
+    def moe(self, m: MoeShapes, tokens: int, tile: tuple | None = None, gemv: tuple | None = None,
+            torch_align: bool = False) -> dict:
         """The MoE layer's experts over a random routing of `tokens` tokens, each call with weights and a routing of
         its own: with `tile` (MoeTile fields) the sort and grouped GEMM (fused_moe with gemv_max_tokens 0); with
         `gemv` (a (gate_up, down) pair of GemvTile fields) kernels/moe_gemv.py; with neither, as served (fused_moe's
-        defaults). Bytes: x, the output and the weights of the experts hit (their expected number,
+        defaults); torch_align: the pairs sorted by align_by_expert's torch ops, not the kernels (the A/B of
+        align_chunked). Bytes: x, the output and the weights of the experts hit (their expected number,
         E·(1 − (1 − k/E)^T) for k distinct experts a token drawn at random)."""
         from services.gpu_worker.kernels import fused_moe as fm
         from services.gpu_worker.kernels import moe_gemv as mg
@@ -372,7 +374,8 @@ class Table:
             if gemv_cfg is not None:
                 call = lambda: mg.moe_gemv(x, gate_up, down, ids, weights, gemv_cfg)  # noqa: E731
             elif cfg is not None:
-                call = lambda: fm.fused_moe(x, gate_up, down, ids, weights, tile=cfg, gemv_max_tokens=0)  # noqa: E731
+                call = lambda: fm.fused_moe(x, gate_up, down, ids, weights, tile=cfg, gemv_max_tokens=0,  # noqa: E731
+                                            torch_align=torch_align)
             else:
                 call = lambda: fm.fused_moe(x, gate_up, down, ids, weights)  # noqa: E731
             return call, (lambda: rel_err(call(), fm.fused_moe_ref(x, gate_up, down, ids, weights)))
@@ -383,6 +386,7 @@ class Table:
             label = "_gemv_{}x{}w{}s{}_{}x{}w{}s{}".format(*gemv_cfg.gate_up, *gemv_cfg.down)
         else:
             label = "" if tile is None else "_{}x{}x{}w{}s{}".format(*cfg)
+            label += "_torchsort" if torch_align else ""
         return self.measure(f"moe_E{m.num_experts}_k{m.top_k}_T{tokens}{label}", num_bytes, build,
                             flops=2 * tokens * m.top_k * 3 * m.hidden * m.inter)
 
@@ -672,10 +676,12 @@ MOE_GEMV_DOWN = ((2, 256, 4, 1), (4, 256, 4, 1), (8, 256, 4, 1), (16, 256, 4, 1)
 def moe_rows(shapes: MoeShapes = QWEN3_30B_A3B, timer: Timer = graph_timer, max_calls: int = MAX_CALLS,
              copy_tbs: float | None = None, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
              tiles: tuple = (None,), tokens: tuple | None = None, gemv_sweep: bool = False,
-             gemv_max_tokens: int = 16) -> dict:
+             gemv_max_tokens: int = 16, torch_align: bool = False) -> dict:
     """The MoE experts at each of `tokens` (shapes.tokens), with each tile (MoeTile fields; None: as served); with
     gemv_sweep also, up to gemv_max_tokens tokens, kernels/moe_gemv.py by tile (MOE_GEMV_GATE_UP with down's default
-    tile, MOE_GEMV_DOWN with gate_up's), and at one token the router's logits on cuBLAS and on kernels/gemv.py."""
+    tile, MOE_GEMV_DOWN with gate_up's), and at one token the router's logits on cuBLAS and on kernels/gemv.py; with
+    torch_align also each given tile with the torch sort, past fused_moe.SMALL_PAIRS pairs."""
+    from services.gpu_worker.kernels import fused_moe as fm
     from services.gpu_worker.kernels import moe_gemv as mg
 
     t = Table(None, timer, max_calls, copy_tbs, device, dtype)
@@ -683,6 +689,8 @@ def moe_rows(shapes: MoeShapes = QWEN3_30B_A3B, timer: Timer = graph_timer, max_
     for m in tokens or shapes.tokens:
         for tile in tiles:
             t.moe(shapes, m, tile)
+            if torch_align and tile is not None and m * shapes.top_k > fm.SMALL_PAIRS:
+                t.moe(shapes, m, tile, torch_align=True)
         if gemv_sweep and m <= gemv_max_tokens:
             combos = [(g, tuple(base.down)) for g in MOE_GEMV_GATE_UP] + \
                 [(tuple(base.gate_up), d) for d in MOE_GEMV_DOWN if d != tuple(base.down)]
@@ -731,6 +739,8 @@ def main() -> int:
                    "QWEN3_30B_A3B.tokens")
     p.add_argument("--moe-gemv-sweep", action="store_true", help="--moe with kernels/moe_gemv.py by tile too, up to 16 "
                    "tokens, and the router's logits at one token on cuBLAS and on the Triton GEMV")
+    p.add_argument("--moe-torch-align", action="store_true", help="--moe-tiles also with the pairs sorted by torch "
+                   "ops (align_by_expert) past fused_moe.SMALL_PAIRS, the baseline of align_chunked")
     p.add_argument("--no-table", action="store_true", help="leave out the kernels' rows (with a sweep)")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -750,7 +760,8 @@ def main() -> int:
                               else None)
     moe_tiles = tuple(tuple(int(x) for x in tile.split(",")) for tile in args.moe_tiles.split(";") if tile)
     moe_tokens = tuple(int(x) for x in args.moe_tokens.split(",") if x) or None
-    moe = functools.partial(moe_rows, tiles=moe_tiles or (None,), tokens=moe_tokens, gemv_sweep=args.moe_gemv_sweep)
+    moe = functools.partial(moe_rows, tiles=moe_tiles or (None,), tokens=moe_tokens, gemv_sweep=args.moe_gemv_sweep,
+                            torch_align=args.moe_torch_align)
     if args.gemv_model == "qwen3-30b-a3b":
         gemv_sweep_run = functools.partial(gemv_sweep, QWEN3_30B_A3B_DENSE, tokens=(1,), tiles=gemv_tiles_narrow,
                                            max_parts=1)

@@ -130,6 +130,12 @@ def test_the_moe_rows_check_the_fused_layer_and_count_the_experts_hit():
     rows = kt.moe_rows(shapes, timer=timer, max_calls=2, device=DEVICE, dtype=dtype,
                        tiles=(None, (16, 16, 16, 4, 1)))
     assert set(rows) == {f"moe_E4_k2_T{t}{tile}" for t in (1, 9) for tile in ("", "_16x16x16w4s1")}
+    # --moe-torch-align: the torch sort beside the kernels' where the pairs outgrow align_small (130 · 2 > 256)
+    sorts = kt.moe_rows(kt.MoeShapes(32, 24, 4, 2, (9, 130)), timer=timer, max_calls=2, device=DEVICE, dtype=dtype,
+                        tiles=((16, 16, 16, 4, 1),), torch_align=True)
+    assert set(sorts) == {"moe_E4_k2_T9_16x16x16w4s1", "moe_E4_k2_T130_16x16x16w4s1",
+                          "moe_E4_k2_T130_16x16x16w4s1_torchsort"}
+    assert all(row["rel_err"] <= (2e-2 if dtype == torch.bfloat16 else 1e-5) for row in sorts.values())
     for name, row in rows.items():
         assert row["rel_err"] <= (2e-2 if dtype == torch.bfloat16 else 1e-5), (name, row)
         assert row["calls"] == 2 and row["tflops"] >= 0

@@ -1,5 +1,6 @@
-"""The MoE router and small-batch expert sort (kernels/moe_routing.py) against their torch references: the same
-experts in the same order, weights to fp32 rounding, and align_small's layout equal to align_by_expert's."""
+"""The MoE router and the expert sorts (kernels/moe_routing.py, fused_moe's align_small and align_chunked) against
+their torch references: the same experts in the same order, weights to fp32 rounding, and the sorts' layouts equal to
+align_by_expert's."""
 from __future__ import annotations
 
 import pytest
@@ -34,6 +35,44 @@ def test_align_small_equals_align_by_expert(num_tokens, num_experts, top_k, bloc
     want = fm.align_by_expert(ids.to(DEVICE), num_experts, block_m)
     assert torch.equal(got.pair_ids, want.pair_ids)
     assert torch.equal(got.block_expert, want.block_expert)
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m,hit", [
+    (33, 128, 8, 16, None),  # 264 pairs: two chunks, the second nearly empty
+    (64, 128, 8, 16, None),  # 512: two full chunks
+    (300, 16, 4, 16, 4),  # 1,200 pairs over 4 of 16 experts: long runs that cross chunks
+    (129, 6, 2, 64, None), (257, 8, 1, 16, None)])
+def test_align_chunked_equals_align_by_expert(num_tokens, num_experts, top_k, block_m, hit):
+    """Each expert's pairs in pair order across chunk boundaries, the padding and the block map as the torch sort's."""
+    gen = torch.Generator().manual_seed(num_tokens * 5 + top_k)
+    ids = torch.stack([torch.randperm(hit or num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
+    got = fm.align_chunked(ids.to(DEVICE), num_experts, block_m)
+    want = fm.align_by_expert(ids.to(DEVICE), num_experts, block_m)
+    assert torch.equal(got.pair_ids, want.pair_ids)
+    assert torch.equal(got.block_expert, want.block_expert)
+
+
+def test_fused_moe_sorts_many_pairs_by_chunks(monkeypatch):
+    """Past SMALL_PAIRS the layer sorts with align_chunked (not the torch ops), and its result equals the torch
+    sort's path and the reference."""
+    calls = []
+    chunked = fm.align_chunked
+    monkeypatch.setattr(fm, "align_chunked", lambda *a: calls.append(a[0].numel()) or chunked(*a))
+    gen = torch.Generator().manual_seed(9)
+    num_tokens, num_experts, top_k, hidden, inter = 70, 8, 4, 32, 16  # 280 pairs
+    gate_up = randn((num_experts, 2 * inter, hidden), gen, torch.float32, DEVICE, scale=hidden ** -0.5)
+    down = randn((num_experts, hidden, inter), gen, torch.float32, DEVICE, scale=inter ** -0.5)
+    x = randn((num_tokens, hidden), gen, torch.float32, DEVICE)
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)]).to(DEVICE)
+    weights = torch.rand((num_tokens, top_k), generator=gen).to(DEVICE)
+    tile = fm.MoeTile(16, 16, 16)
+    got = fm.fused_moe(x, gate_up, down, ids, weights, tile=tile)
+    assert calls == [num_tokens * top_k]
+    via_torch = fm.fused_moe(x, gate_up, down, ids, weights, tile=tile, torch_align=True)
+    assert calls == [num_tokens * top_k]  # the torch sort took the second call
+    assert torch.equal(got, via_torch)
+    ref = fm.fused_moe_ref(x, gate_up, down, ids, weights)
+    assert float((got - ref).norm() / ref.norm()) < 1e-5
 
 
 @pytest.mark.gpu

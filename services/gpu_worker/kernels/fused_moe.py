@@ -15,6 +15,12 @@ the top-k combine, with no host sync (so it runs under CUDA graph capture).
     moe_gemv          decode steps of at most GEMV_MAX_TOKENS tokens skip all of the above: kernels/moe_gemv.py runs
                       each pair as a matrix-vector product and folds the combine into the down pass (two launches).
 
+    align_chunked     align_by_expert's result for more pairs (batched decode, prefill) in three launches instead of
+                      a dozen torch ops around a radix sort: each chunk of CHUNK pairs counts its experts; one
+                      program turns the chunks' counts into each chunk's first row per expert (the expert's padded
+                      start plus the earlier chunks' counts), fills the padding and maps blocks to experts; each
+                      chunk then places its pairs (rank within the chunk by a CHUNK × CHUNK comparison).
+
     align_small       align_by_expert's result for T·k ≤ SMALL_PAIRS (decode steps) in one program instead of
                       about a dozen torch ops: the per-expert counts, the padded offsets (a cumulative sum over E),
                       each pair's rank among the earlier pairs of its expert (a T·k × T·k comparison) and the
@@ -137,6 +143,81 @@ def align_small(top_ids: torch.Tensor, num_experts: int, block_m: int) -> Expert
     return ExpertBlocks(pair_ids, block_expert, block_m)
 
 
+ALIGN_CHUNK = 256  # pairs a program of align_chunked counts and places (its rank step compares them pairwise)
+ALIGN_MAX_CHUNKS = 1024  # align_chunked's offsets program holds every chunk's counts: [chunks, E]
+
+
+@triton.jit
+def _chunk_count_kernel(ids_ptr, counts_ptr, num_pairs, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
+    c = tl.program_id(0)
+    p = c * CHUNK + tl.arange(0, CHUNK)
+    valid = p < num_pairs
+    e = tl.load(ids_ptr + p, mask=valid, other=0).to(tl.int32)
+    ex = tl.arange(0, BLOCK_E)
+    hit = (e[None, :] == ex[:, None]) & valid[None, :]  # [E, CHUNK]
+    tl.store(counts_ptr + c * BLOCK_E + ex, tl.sum(hit.to(tl.int32), axis=1))
+
+
+@triton.jit
+def _chunk_offsets_kernel(counts_ptr, base_ptr, pair_ids_ptr, block_expert_ptr, num_pairs, num_experts, num_chunks,
+                          max_padded, num_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                          BLOCK_C: tl.constexpr, STEP: tl.constexpr):
+    ex = tl.arange(0, BLOCK_E)
+    ch = tl.arange(0, BLOCK_C)
+    in_range = ch[:, None] < num_chunks
+    chunk_counts = tl.load(counts_ptr + ch[:, None] * BLOCK_E + ex[None, :], mask=in_range, other=0)  # [C, E]
+    counts = tl.sum(chunk_counts, axis=0)  # [E]
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    earlier = tl.cumsum(chunk_counts, 0) - chunk_counts  # [C, E]: the expert's pairs in earlier chunks
+    tl.store(base_ptr + ch[:, None] * BLOCK_E + ex[None, :], padded_start[None, :] + earlier, mask=in_range)
+    for r0 in range(0, max_padded, STEP):  # padding everywhere; the place launch writes the pairs over it
+        rows = r0 + tl.arange(0, STEP)
+        tl.store(pair_ids_ptr + rows, tl.full([STEP], 0, tl.int32) + num_pairs, mask=rows < max_padded)
+    for b0 in range(0, num_blocks, STEP):  # block b's expert: the experts whose padded rows end at or before it
+        b = b0 + tl.arange(0, STEP)
+        ended = (padded_end[None, :] <= b[:, None] * BLOCK_M) & (ex[None, :] < num_experts)  # [STEP, E]
+        tl.store(block_expert_ptr + b, tl.sum(ended.to(tl.int32), axis=1), mask=b < num_blocks)
+
+
+@triton.jit
+def _chunk_place_kernel(ids_ptr, base_ptr, pair_ids_ptr, num_pairs, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
+    c = tl.program_id(0)
+    local = tl.arange(0, CHUNK)
+    p = c * CHUNK + local
+    valid = p < num_pairs
+    e = tl.load(ids_ptr + p, mask=valid, other=0).to(tl.int32)
+    same_before = (e[None, :] == e[:, None]) & (local[None, :] < local[:, None]) & valid[None, :]  # [CHUNK, CHUNK]
+    rank = tl.sum(same_before.to(tl.int32), axis=1)
+    base = tl.load(base_ptr + c * BLOCK_E + e, mask=valid, other=0)
+    tl.store(pair_ids_ptr + base + rank, p, mask=valid)
+
+
+def align_chunked(top_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
+    """fused_moe.align_by_expert in three launches, for top_ids [T, k] with T·k ≤ ALIGN_CHUNK · ALIGN_MAX_CHUNKS.
+    Fixed sizes and no host sync, as align_by_expert."""
+    num_pairs = top_ids.numel()
+    num_chunks = triton.cdiv(num_pairs, ALIGN_CHUNK)
+    assert 0 < num_chunks <= ALIGN_MAX_CHUNKS
+    max_padded = max_padded_pairs(num_pairs, num_experts, block_m)
+    num_blocks = max_padded // block_m
+    block_e = max(16, triton.next_power_of_2(num_experts))
+    dev = top_ids.device
+    ids = top_ids.contiguous()
+    counts = torch.empty((num_chunks, block_e), dtype=torch.int32, device=dev)
+    base = torch.empty((num_chunks, block_e), dtype=torch.int32, device=dev)
+    pair_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=dev)
+    _chunk_count_kernel[(num_chunks,)](ids, counts, num_pairs, CHUNK=ALIGN_CHUNK, BLOCK_E=block_e, num_warps=8)
+    _chunk_offsets_kernel[(1,)](counts, base, pair_ids, block_expert, num_pairs, num_experts, num_chunks,
+                                max_padded, num_blocks, BLOCK_M=block_m, BLOCK_E=block_e,
+                                BLOCK_C=max(16, triton.next_power_of_2(num_chunks)), STEP=256, num_warps=8)
+    _chunk_place_kernel[(num_chunks,)](ids, base, pair_ids, num_pairs, CHUNK=ALIGN_CHUNK, BLOCK_E=block_e,
+                                       num_warps=8)
+    return ExpertBlocks(pair_ids, block_expert, block_m)
+
+
 @triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, pair_ids_ptr, block_expert_ptr, route_w_ptr, num_pairs, num_experts,
                      N, K, stride_am, stride_we, stride_wn, stride_om, ROW_DIV: tl.constexpr, SILU_MUL: tl.constexpr,
@@ -195,11 +276,12 @@ def moe_gemm(a: torch.Tensor, weight: torch.Tensor, blocks: ExpertBlocks, num_pa
 
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_ids: torch.Tensor,
               top_weights: torch.Tensor, tile: MoeTile | None = None,
-              gemv_max_tokens: int | None = None) -> torch.Tensor:
+              gemv_max_tokens: int | None = None, torch_align: bool = False) -> torch.Tensor:
     """x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; top_ids [T, k]; top_weights [T, k] fp32 →
     Σ_j top_weights[t, j] · down_e · (silu(gate_e · x_t) · up_e · x_t), e = top_ids[t, j]: [T, H] in x's dtype.
     Up to gemv_max_tokens tokens (None: GEMV_MAX_TOKENS; 0: never) on kernels/moe_gemv.py, else the grouped GEMM
-    with `tile`."""
+    with `tile`, its pairs sorted by align_small or align_chunked (torch_align: by align_by_expert's torch ops, the
+    benchmark's baseline)."""
     num_tokens, k = top_ids.shape
     num_pairs = num_tokens * k
     if num_pairs == 0:
@@ -207,8 +289,10 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_id
     if num_tokens <= (GEMV_MAX_TOKENS if gemv_max_tokens is None else gemv_max_tokens):
         return moe_gemv(x, gate_up, down, top_ids, top_weights)
     tile = tile or default_tile(num_pairs)
-    if num_pairs <= SMALL_PAIRS:  # decode batches: one launch
+    if num_pairs <= SMALL_PAIRS and not torch_align:  # decode batches: one launch
         blocks = align_small(top_ids, gate_up.shape[0], tile.block_m)
+    elif num_pairs <= ALIGN_CHUNK * ALIGN_MAX_CHUNKS and not torch_align:
+        blocks = align_chunked(top_ids, gate_up.shape[0], tile.block_m)
     else:
         blocks = align_by_expert(top_ids, gate_up.shape[0], tile.block_m)
     act = moe_gemm(x, gate_up, blocks, num_pairs, k, silu_mul=True, tile=tile)  # [T·k, I]
