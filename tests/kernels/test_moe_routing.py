@@ -25,28 +25,19 @@ def test_route_topk_equals_softmax_topk(num_tokens, num_experts, top_k, normaliz
         torch.testing.assert_close(weights.sum(-1), torch.ones(num_tokens, device=DEVICE))
 
 
-@pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m,hit", [
-    (1, 128, 8, 16, None), (32, 128, 8, 16, None), (7, 6, 2, 16, None), (3, 8, 2, 64, None), (40, 8, 2, 16, 3),
-    (64, 16, 4, 16, 4), (1, 6, 1, 16, None)])
-def test_align_small_equals_align_by_expert(num_tokens, num_experts, top_k, block_m, hit):
+@pytest.mark.parametrize("align,num_tokens,num_experts,top_k,block_m,hit", [
+    *(("small", *case) for case in [(1, 128, 8, 16, None), (32, 128, 8, 16, None), (7, 6, 2, 16, None),
+                                    (3, 8, 2, 64, None), (40, 8, 2, 16, 3), (64, 16, 4, 16, 4), (1, 6, 1, 16, None)]),
+    ("chunked", 33, 128, 8, 16, None),  # 264 pairs: two chunks, the second nearly empty
+    ("chunked", 64, 128, 8, 16, None),  # 512: two full chunks
+    ("chunked", 300, 16, 4, 16, 4),  # 1,200 pairs over 4 of 16 experts: long runs that cross chunks
+    ("chunked", 129, 6, 2, 64, None), ("chunked", 257, 8, 1, 16, None)])
+def test_the_kernel_sorts_equal_align_by_expert(align, num_tokens, num_experts, top_k, block_m, hit):
+    """align_small and align_chunked: each expert's pairs in pair order (across chunk boundaries), the padding and
+    the block map as the torch sort's."""
     gen = torch.Generator().manual_seed(num_tokens * 7 + top_k)
     ids = torch.stack([torch.randperm(hit or num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
-    got = fm.align_small(ids.to(DEVICE), num_experts, block_m)
-    want = fm.align_by_expert(ids.to(DEVICE), num_experts, block_m)
-    assert torch.equal(got.pair_ids, want.pair_ids)
-    assert torch.equal(got.block_expert, want.block_expert)
-
-
-@pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m,hit", [
-    (33, 128, 8, 16, None),  # 264 pairs: two chunks, the second nearly empty
-    (64, 128, 8, 16, None),  # 512: two full chunks
-    (300, 16, 4, 16, 4),  # 1,200 pairs over 4 of 16 experts: long runs that cross chunks
-    (129, 6, 2, 64, None), (257, 8, 1, 16, None)])
-def test_align_chunked_equals_align_by_expert(num_tokens, num_experts, top_k, block_m, hit):
-    """Each expert's pairs in pair order across chunk boundaries, the padding and the block map as the torch sort's."""
-    gen = torch.Generator().manual_seed(num_tokens * 5 + top_k)
-    ids = torch.stack([torch.randperm(hit or num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
-    got = fm.align_chunked(ids.to(DEVICE), num_experts, block_m)
+    got = getattr(fm, f"align_{align}")(ids.to(DEVICE), num_experts, block_m)
     want = fm.align_by_expert(ids.to(DEVICE), num_experts, block_m)
     assert torch.equal(got.pair_ids, want.pair_ids)
     assert torch.equal(got.block_expert, want.block_expert)
