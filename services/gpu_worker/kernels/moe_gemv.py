@@ -13,6 +13,10 @@ pair is a row of its own and no tile is padded:
                      weight, against the BLOCK_N rows of each pair's expert's down weight, all into one accumulator:
                      the k experts' down projections and the top-k combine are one matrix-vector product over the
                      k·I long concatenation, written once in x's dtype. No atomics, no partials.
+    _down_all_kernel the same with each step's tiles of all k experts loaded as one [k, BLOCK_N, BLOCK_K] block: k
+                     times the bytes in flight a program. In the H100 model the one-expert-a-step kernel read at 0.54
+                     of copy bandwidth while gate_up read at 0.89 (its 512 programs keep one small load each in
+                     flight); MoeGemvConfig.down_all_experts picks this one.
 
 The experts are read as published by the router (top_ids, top_weights), so nothing waits on a sort. A pair's weights
 are read once per pair: tokens that share an expert read it again (from L2 if close in time), so this path is for
@@ -39,6 +43,9 @@ class GemvTile(NamedTuple):
 class MoeGemvConfig(NamedTuple):
     gate_up: GemvTile
     down: GemvTile
+    # down on _down_all_kernel: each step loads the tiles of all k experts at once ([k, BLOCK_N, BLOCK_K]) instead
+    # of one expert's at a time. Not yet timed on a GPU: `bench/kernel_table.py --moe-gemv-sweep` compares them.
+    down_all_experts: bool = False
 
 
 def default_config(hidden: int, inter: int) -> MoeGemvConfig:
@@ -109,6 +116,37 @@ def _down_kernel(a_ptr, w_ptr, ids_ptr, route_w_ptr, out_ptr, N, K, stride_am, s
     tl.store(out_ptr + token * stride_om + offs_n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
+@triton.jit
+def _down_all_kernel(a_ptr, w_ptr, ids_ptr, route_w_ptr, out_ptr, N, K, stride_am, stride_we, stride_wn, stride_om,
+                     TOP_K: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     EVEN_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    token = tl.program_id(1)
+    offs_j = tl.arange(0, BLOCK_J)
+    mask_j = offs_j < TOP_K
+    pairs = token * TOP_K + offs_j  # [J]
+    experts = tl.load(ids_ptr + pairs, mask=mask_j, other=0).to(tl.int64)
+    route_w = tl.load(route_w_ptr + pairs, mask=mask_j, other=0.0).to(tl.float32)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    rows = w_ptr + experts[:, None, None] * stride_we + offs_n[None, :, None].to(tl.int64) * stride_wn  # [J, N, 1]
+    a_rows = a_ptr + pairs[:, None].to(tl.int64) * stride_am  # [J, 1]
+    mask_jn = mask_j[:, None, None] & mask_n[None, :, None]
+    acc = tl.zeros([BLOCK_J, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            w = tl.load(rows + offs_k[None, None, :], mask=mask_jn, other=0.0)
+            a = tl.load(a_rows + offs_k[None, :], mask=mask_j[:, None], other=0.0)
+        else:
+            mask_k = offs_k < K
+            w = tl.load(rows + offs_k[None, None, :], mask=mask_jn & mask_k[None, None, :], other=0.0)
+            a = tl.load(a_rows + offs_k[None, :], mask=mask_j[:, None] & mask_k[None, :], other=0.0)
+        acc += w.to(tl.float32) * (a.to(tl.float32) * route_w[:, None])[:, None, :]
+    out = tl.sum(tl.sum(acc, axis=2), axis=0)  # [BLOCK_N]
+    tl.store(out_ptr + token * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
 def moe_gemv(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_ids: torch.Tensor,
              top_weights: torch.Tensor, config: MoeGemvConfig | None = None) -> torch.Tensor:
     """fused_moe.fused_moe's result on two matrix-vector launches: x [T, H]; gate_up [E, 2I, H]; down [E, H, I];
@@ -133,8 +171,13 @@ def moe_gemv(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_ids
         num_warps=gu.num_warps, num_stages=gu.num_stages)
     out = torch.empty_like(x)
     dn = cfg.down
-    _down_kernel[(triton.cdiv(hidden, dn.block_n), num_tokens)](
-        act, down, ids, weights, out, hidden, inter, act.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        TOP_K=k, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, EVEN_K=inter % dn.block_k == 0,
-        num_warps=dn.num_warps, num_stages=dn.num_stages)
+    args = (act, down, ids, weights, out, hidden, inter, act.stride(0), down.stride(0), down.stride(1), out.stride(0))
+    grid = (triton.cdiv(hidden, dn.block_n), num_tokens)
+    if cfg.down_all_experts:
+        _down_all_kernel[grid](*args, TOP_K=k, BLOCK_J=triton.next_power_of_2(k), BLOCK_N=dn.block_n,
+                               BLOCK_K=dn.block_k, EVEN_K=inter % dn.block_k == 0, num_warps=dn.num_warps,
+                               num_stages=dn.num_stages)
+    else:
+        _down_kernel[grid](*args, TOP_K=k, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, EVEN_K=inter % dn.block_k == 0,
+                           num_warps=dn.num_warps, num_stages=dn.num_stages)
     return out
