@@ -49,8 +49,8 @@ def test_matches_the_reference(num_tokens, num_experts, top_k, hidden, inter, co
 
 def test_default_config_is_the_measured_tile_capped_by_the_row():
     cfg = default_config(2048, 768)
-    assert cfg.gate_up == GemvTile(4, 512, 4, 2) and cfg.down == GemvTile(4, 256, 4, 1)
-    assert default_config(40, 24) == MoeGemvConfig(GemvTile(4, 64, 4, 2), GemvTile(4, 32, 4, 1))  # small rows
+    assert cfg == MoeGemvConfig(GemvTile(4, 512, 4, 2), GemvTile(2, 128, 4, 1), down_all_experts=True)
+    assert default_config(40, 24) == MoeGemvConfig(GemvTile(4, 64, 4, 2), GemvTile(2, 32, 4, 1), True)  # small rows
 
 
 @pytest.mark.parametrize("num_tokens", [1, fm.GEMV_MAX_TOKENS, fm.GEMV_MAX_TOKENS + 1])

@@ -16,7 +16,8 @@ pair is a row of its own and no tile is padded:
     _down_all_kernel the same with each step's tiles of all k experts loaded as one [k, BLOCK_N, BLOCK_K] block: k
                      times the bytes in flight a program. In the H100 model the one-expert-a-step kernel read at 0.54
                      of copy bandwidth while gate_up read at 0.89 (its 512 programs keep one small load each in
-                     flight); MoeGemvConfig.down_all_experts picks this one.
+                     flight); MoeGemvConfig.down_all_experts picks this one, the default (14 % faster a layer at
+                     one token).
 
 The experts are read as published by the router (top_ids, top_weights), so nothing waits on a sort. A pair's weights
 are read once per pair: tokens that share an expert read it again (from L2 if close in time), so this path is for
@@ -44,17 +45,18 @@ class MoeGemvConfig(NamedTuple):
     gate_up: GemvTile
     down: GemvTile
     # down on _down_all_kernel: each step loads the tiles of all k experts at once ([k, BLOCK_N, BLOCK_K]) instead
-    # of one expert's at a time. Not yet timed on a GPU: `bench/kernel_table.py --moe-gemv-sweep` compares them.
+    # of one expert's at a time (_down_kernel); default_config's choice, from `bench/kernel_table.py --moe-gemv-sweep`
     down_all_experts: bool = False
 
 
 def default_config(hidden: int, inter: int) -> MoeGemvConfig:
     """Measured on an H100 for Qwen3-30B-A3B (bench/kernel_table.py --moe-gemv-sweep, 2026-12-07; layer µs at 1 / 2
-    / 4 tokens, the grouped GEMM's best tile 38.5 / 68.7 / 115.4): gate_up in tiles of 4 rows by 512 columns, two
-    stages, 38.0 / 62.6 / 113.4, where kernels/gemv.py's one-token tile (2 rows by the whole 2048-column row) took
-    46.1 / 78.8 / 145.6; down in 4 rows by 256 columns (the other tiles tried within ±1 µs at one token)."""
+    / 4 tokens, the grouped GEMM's best tile 37.8 / 66.3 / 113.0): gate_up in tiles of 4 rows by 512 columns, two
+    stages, where kernels/gemv.py's one-token tile (2 rows by the whole 2048-column row) took 46.1 / 78.8 / 145.6;
+    down on _down_all_kernel in tiles of 2 rows by 128 columns, 32.5 / 59.8 / 107.8, where one expert a step in 4 x
+    256 took 37.8 / 61.4 / 111.6."""
     return MoeGemvConfig(GemvTile(4, min(512, triton.next_power_of_2(hidden)), 4, 2),
-                         GemvTile(4, min(256, triton.next_power_of_2(inter)), 4, 1))
+                         GemvTile(2, min(128, triton.next_power_of_2(inter)), 4, 1), down_all_experts=True)
 
 
 @triton.jit
