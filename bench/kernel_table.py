@@ -364,7 +364,7 @@ class Table:
         from services.gpu_worker.kernels import moe_gemv as mg
 
         cfg = None if tile is None else fm.MoeTile(*tile)
-        gemv_cfg = None if gemv is None else mg.MoeGemvConfig(*(mg.GemvTile(*g) for g in gemv[:2]), *gemv[2:])
+        gemv_cfg = None if gemv is None else mg.MoeGemvConfig(*(mg.GemvTile(*g) for g in gemv))
 
         def build(i: int):
             gate_up = self.randn(m.num_experts, 2 * m.inter, m.hidden) * m.hidden ** -0.5  # [E, 2I, H]
@@ -384,7 +384,6 @@ class Table:
         num_bytes = round(hit * 3 * m.hidden * m.inter * self.esize) + 2 * tokens * m.hidden * self.esize
         if gemv is not None:
             label = "_gemv_{}x{}w{}s{}_{}x{}w{}s{}".format(*gemv_cfg.gate_up, *gemv_cfg.down)
-            label += "_all" if gemv_cfg.down_all_experts else ""
         else:
             label = "" if tile is None else "_{}x{}x{}w{}s{}".format(*cfg)
             label += "_torchsort" if torch_align else ""
@@ -670,11 +669,8 @@ def gemv_tuning(best: dict, tokens: int = 1) -> tuple[dict, int]:
 # kernels/moe_gemv.py's tiles, swept one kernel at a time around its default (the other kernel at its default)
 MOE_GEMV_GATE_UP = ((1, 2048, 4, 1), (2, 2048, 4, 1), (4, 2048, 4, 1), (2, 2048, 8, 1), (2, 1024, 4, 1),
                     (4, 1024, 4, 1), (8, 512, 4, 1), (4, 512, 4, 2))
-MOE_GEMV_DOWN = ((2, 256, 4, 1), (4, 256, 4, 1), (8, 256, 4, 1), (16, 256, 4, 1), (8, 128, 4, 1), (4, 1024, 4, 1),
-                 (8, 256, 8, 1), (16, 128, 4, 2))
-# ... and on _down_all_kernel (MoeGemvConfig.down_all_experts: all k experts' tiles in one load a step)
-MOE_GEMV_DOWN_ALL = ((1, 256, 4, 1), (2, 256, 4, 1), (4, 256, 4, 1), (2, 128, 4, 1), (4, 128, 4, 1),
-                     (4, 256, 8, 1), (8, 128, 8, 1), (2, 512, 8, 1))
+MOE_GEMV_DOWN = ((1, 256, 4, 1), (2, 256, 4, 1), (4, 256, 4, 1), (2, 128, 4, 1), (4, 128, 4, 1), (4, 256, 8, 1),
+                 (8, 128, 8, 1), (2, 512, 8, 1))
 
 
 def moe_rows(shapes: MoeShapes = QWEN3_30B_A3B, timer: Timer = graph_timer, max_calls: int = MAX_CALLS,
@@ -683,7 +679,7 @@ def moe_rows(shapes: MoeShapes = QWEN3_30B_A3B, timer: Timer = graph_timer, max_
              gemv_max_tokens: int = 16, torch_align: bool = False) -> dict:
     """The MoE experts at each of `tokens` (shapes.tokens), with each tile (MoeTile fields; None: as served); with
     gemv_sweep also, up to gemv_max_tokens tokens, kernels/moe_gemv.py by tile (MOE_GEMV_GATE_UP with down's default
-    tile, MOE_GEMV_DOWN and MOE_GEMV_DOWN_ALL with gate_up's), and at one token the router's logits on cuBLAS and on kernels/gemv.py; with
+    tile, MOE_GEMV_DOWN with gate_up's), and at one token the router's logits on cuBLAS and on kernels/gemv.py; with
     torch_align also each given tile with the torch sort, past fused_moe.SMALL_PAIRS pairs."""
     from services.gpu_worker.kernels import fused_moe as fm
     from services.gpu_worker.kernels import moe_gemv as mg
@@ -697,8 +693,7 @@ def moe_rows(shapes: MoeShapes = QWEN3_30B_A3B, timer: Timer = graph_timer, max_
                 t.moe(shapes, m, tile, torch_align=True)
         if gemv_sweep and m <= gemv_max_tokens:
             combos = [(g, tuple(base.down)) for g in MOE_GEMV_GATE_UP] + \
-                [(tuple(base.gate_up), d) for d in MOE_GEMV_DOWN if d != tuple(base.down)] + \
-                [(tuple(base.gate_up), d, True) for d in MOE_GEMV_DOWN_ALL]
+                [(tuple(base.gate_up), d) for d in MOE_GEMV_DOWN if d != tuple(base.down)]
             for combo in dict.fromkeys(combos):
                 t.moe(shapes, m, gemv=combo)
     if gemv_sweep:

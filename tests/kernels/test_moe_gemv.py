@@ -30,10 +30,7 @@ def _layer(num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: in
     (3, 6, 3, 40, 24, MoeGemvConfig(GemvTile(16, 16), GemvTile(16, 16))),  # N and K tiles partly filled
     (4, 4, 2, 32, 16, None),  # 8 pairs over 2 experts: tokens share them
     (2, 5, 1, 24, 40, MoeGemvConfig(GemvTile(1, 8), GemvTile(2, 8))),  # top-1
-    # down with all k experts' tiles in one load: k a power of two, k = 3 (a masked fourth), k = 1
-    (2, 128, 8, 128, 96, MoeGemvConfig(GemvTile(4, 32), GemvTile(4, 32), True)),
-    (3, 6, 3, 40, 24, MoeGemvConfig(GemvTile(16, 16), GemvTile(2, 16), True)),
-    (2, 5, 1, 24, 40, MoeGemvConfig(GemvTile(1, 8), GemvTile(2, 64), True)),
+    (3, 6, 3, 40, 24, MoeGemvConfig(GemvTile(16, 16), GemvTile(2, 64))),  # k = 3: a fourth expert slot masked
 ])
 def test_matches_the_reference(num_tokens, num_experts, top_k, hidden, inter, config):
     x, gate_up, down, ids, weights = _layer(num_tokens, num_experts, top_k, hidden, inter, seed=num_tokens + top_k,
@@ -49,8 +46,8 @@ def test_matches_the_reference(num_tokens, num_experts, top_k, hidden, inter, co
 
 def test_default_config_is_the_measured_tile_capped_by_the_row():
     cfg = default_config(2048, 768)
-    assert cfg == MoeGemvConfig(GemvTile(4, 512, 4, 2), GemvTile(2, 128, 4, 1), down_all_experts=True)
-    assert default_config(40, 24) == MoeGemvConfig(GemvTile(4, 64, 4, 2), GemvTile(2, 32, 4, 1), True)  # small rows
+    assert cfg == MoeGemvConfig(GemvTile(4, 512, 4, 2), GemvTile(2, 128, 4, 1))
+    assert default_config(40, 24) == MoeGemvConfig(GemvTile(4, 64, 4, 2), GemvTile(2, 32, 4, 1))  # small rows
 
 
 @pytest.mark.parametrize("num_tokens", [1, fm.GEMV_MAX_TOKENS, fm.GEMV_MAX_TOKENS + 1])
@@ -74,14 +71,12 @@ def test_fused_moe_takes_it_up_to_gemv_max_tokens(monkeypatch, num_tokens):
 @pytest.mark.gpu
 @gpu_only
 @pytest.mark.parametrize("num_tokens", [1, 2, 4])
-@pytest.mark.parametrize("down_all", [False, True])
-def test_bf16_on_qwen3_30b_a3b_shapes_and_under_a_cuda_graph(num_tokens, down_all):
+def test_bf16_on_qwen3_30b_a3b_shapes_and_under_a_cuda_graph(num_tokens):
     x, gate_up, down, ids, weights = _layer(num_tokens, 128, 8, 2048, 768, seed=num_tokens, dtype=torch.bfloat16)
-    cfg = default_config(2048, 768)._replace(down_all_experts=down_all)
-    out = moe_gemv(x, gate_up, down, ids, weights, cfg)  # compiles outside the capture
+    out = moe_gemv(x, gate_up, down, ids, weights)  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = moe_gemv(x, gate_up, down, ids, weights, cfg)
+        out = moe_gemv(x, gate_up, down, ids, weights)
     ids.copy_((ids + 1) % 128)
     graph.replay()
     want = fm.fused_moe_ref(x, gate_up, down, ids, weights)

@@ -12,12 +12,10 @@ pair is a row of its own and no tile is padded:
     _down_kernel     one program per (BLOCK_N columns of H, token): the token's k rows of act, each times its routing
                      weight, against the BLOCK_N rows of each pair's expert's down weight, all into one accumulator:
                      the k experts' down projections and the top-k combine are one matrix-vector product over the
-                     k·I long concatenation, written once in x's dtype. No atomics, no partials.
-    _down_all_kernel the same with each step's tiles of all k experts loaded as one [k, BLOCK_N, BLOCK_K] block: k
-                     times the bytes in flight a program. In the H100 model the one-expert-a-step kernel read at 0.54
-                     of copy bandwidth while gate_up read at 0.89 (its 512 programs keep one small load each in
-                     flight); MoeGemvConfig.down_all_experts picks this one, the default (14 % faster a layer at
-                     one token).
+                     k·I long concatenation, written once in x's dtype. No atomics, no partials. Each step loads the
+                     tiles of all k experts as one [k, BLOCK_N, BLOCK_K] block: walking the experts one at a time
+                     (one small load in flight a program) read at 0.54 of copy bandwidth in the H100 model where
+                     gate_up read at 0.89, and took 37.8 against 32.5 µs a layer at one token.
 
 The experts are read as published by the router (top_ids, top_weights), so nothing waits on a sort. A pair's weights
 are read once per pair: tokens that share an expert read it again (from L2 if close in time), so this path is for
@@ -44,19 +42,16 @@ class GemvTile(NamedTuple):
 class MoeGemvConfig(NamedTuple):
     gate_up: GemvTile
     down: GemvTile
-    # down on _down_all_kernel: each step loads the tiles of all k experts at once ([k, BLOCK_N, BLOCK_K]) instead
-    # of one expert's at a time (_down_kernel); default_config's choice, from `bench/kernel_table.py --moe-gemv-sweep`
-    down_all_experts: bool = False
 
 
 def default_config(hidden: int, inter: int) -> MoeGemvConfig:
     """Measured on an H100 for Qwen3-30B-A3B (bench/kernel_table.py --moe-gemv-sweep, 2026-12-07; layer µs at 1 / 2
     / 4 tokens, the grouped GEMM's best tile 37.8 / 66.3 / 113.0): gate_up in tiles of 4 rows by 512 columns, two
     stages, where kernels/gemv.py's one-token tile (2 rows by the whole 2048-column row) took 46.1 / 78.8 / 145.6;
-    down on _down_all_kernel in tiles of 2 rows by 128 columns, 32.5 / 59.8 / 107.8, where one expert a step in 4 x
-    256 took 37.8 / 61.4 / 111.6."""
+    down in tiles of 2 rows by 128 columns, 32.5 / 59.8 / 107.8 (one expert a step in 4 x 256, the kernel before
+    it: 37.8 / 61.4 / 111.6)."""
     return MoeGemvConfig(GemvTile(4, min(512, triton.next_power_of_2(hidden)), 4, 2),
-                         GemvTile(2, min(128, triton.next_power_of_2(inter)), 4, 1), down_all_experts=True)
+                         GemvTile(2, min(128, triton.next_power_of_2(inter)), 4, 1))
 
 
 @triton.jit
@@ -93,33 +88,6 @@ def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, N, K, stride_xm, stride_we, 
 
 @triton.jit
 def _down_kernel(a_ptr, w_ptr, ids_ptr, route_w_ptr, out_ptr, N, K, stride_am, stride_we, stride_wn, stride_om,
-                 TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    pid_n = tl.program_id(0)
-    token = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    row_offs = offs_n[:, None].to(tl.int64) * stride_wn
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):  # unrolled: the k experts' loads can be in flight together
-        pair = token * TOP_K + j
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        route_w = tl.load(route_w_ptr + pair).to(tl.float32)
-        rows = w_ptr + expert * stride_we + row_offs
-        a_row = a_ptr + pair * stride_am
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            if EVEN_K:
-                w = tl.load(rows + offs_k[None, :], mask=mask_n[:, None], other=0.0)
-                a = tl.load(a_row + offs_k)
-            else:
-                w = tl.load(rows + offs_k[None, :], mask=mask_n[:, None] & (offs_k < K)[None, :], other=0.0)
-                a = tl.load(a_row + offs_k, mask=offs_k < K, other=0.0)
-            acc += w.to(tl.float32) * (a.to(tl.float32) * route_w)[None, :]
-    tl.store(out_ptr + token * stride_om + offs_n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=mask_n)
-
-
-@triton.jit
-def _down_all_kernel(a_ptr, w_ptr, ids_ptr, route_w_ptr, out_ptr, N, K, stride_am, stride_we, stride_wn, stride_om,
                      TOP_K: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      EVEN_K: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -173,13 +141,8 @@ def moe_gemv(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_ids
         num_warps=gu.num_warps, num_stages=gu.num_stages)
     out = torch.empty_like(x)
     dn = cfg.down
-    args = (act, down, ids, weights, out, hidden, inter, act.stride(0), down.stride(0), down.stride(1), out.stride(0))
-    grid = (triton.cdiv(hidden, dn.block_n), num_tokens)
-    if cfg.down_all_experts:
-        _down_all_kernel[grid](*args, TOP_K=k, BLOCK_J=triton.next_power_of_2(k), BLOCK_N=dn.block_n,
-                               BLOCK_K=dn.block_k, EVEN_K=inter % dn.block_k == 0, num_warps=dn.num_warps,
-                               num_stages=dn.num_stages)
-    else:
-        _down_kernel[grid](*args, TOP_K=k, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, EVEN_K=inter % dn.block_k == 0,
-                           num_warps=dn.num_warps, num_stages=dn.num_stages)
+    _down_kernel[(triton.cdiv(hidden, dn.block_n), num_tokens)](
+        act, down, ids, weights, out, hidden, inter, act.stride(0), down.stride(0), down.stride(1), out.stride(0),
+        TOP_K=k, BLOCK_J=triton.next_power_of_2(k), BLOCK_N=dn.block_n, BLOCK_K=dn.block_k,
+        EVEN_K=inter % dn.block_k == 0, num_warps=dn.num_warps, num_stages=dn.num_stages)
     return out
