@@ -15,7 +15,7 @@
 # n: the MoE model's steps and served W1 (400 requests: its KV pool on 80 GB holds ~70 sequences of 2,000 tokens)
 #    after tuning from plan m, and the routing A/B (issue 27).
 # p: the MoE model's dense GEMVs (q/k/v, o, LM head) by tile, for kernels/gemv.TUNED; the expert sort on kernels
-#    (align_chunked) against torch's at 64-2,048 tokens; the MoE GEMV's down pass on all experts at once; the model's steps; the served W1 of
+#    (align_chunked) against torch's at 64-2,048 tokens; the MoE GEMV's tiles at 1-4 tokens; the model's steps; the served W1 of
 #    1000 requests (on an H200, whose KV pool holds them; on 80 GB it runs past the call) (issue 27).
 # o: after plan m's tiles became the defaults: the MoE GPU tests, the model's steps, the grouped GEMM by tile from 32
 #    to 8,192 tokens (batched decode and prefill), the served W0 (issue 27).
