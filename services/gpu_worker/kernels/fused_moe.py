@@ -289,12 +289,13 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_id
     if num_tokens <= (GEMV_MAX_TOKENS if gemv_max_tokens is None else gemv_max_tokens):
         return moe_gemv(x, gate_up, down, top_ids, top_weights)
     tile = tile or default_tile(num_pairs)
-    if num_pairs <= SMALL_PAIRS and not torch_align:  # decode batches: one launch
-        blocks = align_small(top_ids, gate_up.shape[0], tile.block_m)
-    elif num_pairs <= ALIGN_CHUNK * ALIGN_MAX_CHUNKS and not torch_align:
-        blocks = align_chunked(top_ids, gate_up.shape[0], tile.block_m)
+    num_experts = gate_up.shape[0]
+    if torch_align or num_pairs > ALIGN_CHUNK * ALIGN_MAX_CHUNKS:
+        blocks = align_by_expert(top_ids, num_experts, tile.block_m)
+    elif num_pairs <= SMALL_PAIRS:  # decode batches: one launch
+        blocks = align_small(top_ids, num_experts, tile.block_m)
     else:
-        blocks = align_by_expert(top_ids, gate_up.shape[0], tile.block_m)
+        blocks = align_chunked(top_ids, num_experts, tile.block_m)
     act = moe_gemm(x, gate_up, blocks, num_pairs, k, silu_mul=True, tile=tile)  # [T·k, I]
     weights = top_weights.flatten().float().contiguous()  # [T·k]
     out_pairs = moe_gemm(act, down, blocks, num_pairs, 1, silu_mul=False, route_weights=weights, tile=tile)

@@ -88,8 +88,8 @@ def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, N, K, stride_xm, stride_we, 
 
 @triton.jit
 def _down_kernel(a_ptr, w_ptr, ids_ptr, route_w_ptr, out_ptr, N, K, stride_am, stride_we, stride_wn, stride_om,
-                     TOP_K: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     EVEN_K: tl.constexpr):
+                 TOP_K: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr):
     pid_n = tl.program_id(0)
     token = tl.program_id(1)
     offs_j = tl.arange(0, BLOCK_J)
