@@ -14,9 +14,9 @@
 #    W0 and a W1 of 150 requests (issue 27).
 # n: the MoE model's steps and served W1 (400 requests: its KV pool on 80 GB holds ~70 sequences of 2,000 tokens)
 #    after tuning from plan m, and the routing A/B (issue 27).
-# p: the MoE model's dense GEMVs (q/k/v, o, LM head) by tile, for kernels/gemv.TUNED; the expert sort on kernels
-#    (align_chunked) against torch's at 64-2,048 tokens; the MoE GEMV's tiles at 1-4 tokens; the model's steps; the served W1 of
-#    1000 requests (on an H200, whose KV pool holds them; on 80 GB it runs past the call) (issue 27).
+# p: the MoE model's steps (with the kernel sort and the all-experts down pass); its dense GEMVs (q/k/v, o, LM head)
+#    by tile, for kernels/gemv.TUNED; the served W1 (1000 requests on an H200, 400 on 80 GB, whose KV pool holds ~72
+#    such sequences); the MoE GEMV's tiles at 1-4 tokens; the expert sort against torch's at 64-2,048 tokens (issue 27).
 # o: after plan m's tiles became the defaults: the MoE GPU tests, the model's steps, the grouped GEMM by tile from 32
 #    to 8,192 tokens (batched decode and prefill), the served W0 (issue 27).
 set -u
@@ -57,12 +57,16 @@ case "$plan" in
             "servemoe|150|SUITE_TIMEOUT_S=145 bash bench/served_gpu.sh moe w0 --serve-args '--model random:qwen3-30b-a3b --device cuda'"
         ;;
     p)
+        # The model step first (the changes since its last run), then the dense GEMV sweep, then the served W1: all
+        # 1000 requests on an H200; on an 80 GB card the 61 GB of weights leave KV for ~72 such sequences, so 400.
+        w1n=1000
+        nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || w1n=400
         bash bench/device_steps.sh "${PLAN_BUDGET_S:-570}" \
-            "gemvmoe|120|python -m bench.kernel_table --out $S/kt_gemv --no-table --gemv-sweep --gemv-model qwen3-30b-a3b" \
-            "moegemv|90|python -m bench.kernel_table --out $S/kt_moegemv --no-table --moe --moe-tokens 1,2,4 --moe-gemv-sweep" \
-            "alignab|90|python -m bench.kernel_table --out $S/kt_align --no-table --moe --moe-tokens 64,256,2048 --moe-tiles '16,64,128,4,3;128,128,64,8,3' --moe-torch-align" \
             "moe|70|python -m bench.model_speed --presets qwen3-30b-a3b --out $S/ms_moe" \
-            "servemoe|370|SUITE_TIMEOUT_S=360 bash bench/served_gpu.sh moe w1 --serve-args '--model random:qwen3-30b-a3b --device cuda'"
+            "gemvmoe|120|python -m bench.kernel_table --out $S/kt_gemv --no-table --gemv-sweep --gemv-model qwen3-30b-a3b" \
+            "servemoe|370|SUITE_TIMEOUT_S=360 bash bench/served_gpu.sh moe w1 --w1-requests $w1n --serve-args '--model random:qwen3-30b-a3b --device cuda'" \
+            "moegemv|90|python -m bench.kernel_table --out $S/kt_moegemv --no-table --moe --moe-tokens 1,2,4 --moe-gemv-sweep" \
+            "alignab|90|python -m bench.kernel_table --out $S/kt_align --no-table --moe --moe-tokens 64,256,2048 --moe-tiles '16,64,128,4,3;128,128,64,8,3' --moe-torch-align"
         ;;
     c)
         SUITE_TIMEOUT_S=545 bash bench/served_gpu.sh r1 w1,w0,w6 --w6-duration-s 300 --w6-concurrency 512
