@@ -390,6 +390,18 @@ class Table:
         return self.measure(f"moe_E{m.num_experts}_k{m.top_k}_T{tokens}{label}", num_bytes, build,
                             flops=2 * tokens * m.top_k * 3 * m.hidden * m.inter)
 
+    def route(self, m: MoeShapes, tokens: int, num_warps: int) -> dict:
+        """The router's top-k (kernels/moe_routing.route_topk) over [tokens, E] fp32 logits with num_warps warps a
+        program. Bytes: the logits read, the ids and weights written."""
+        from services.gpu_worker.kernels.moe_routing import route_topk, route_topk_ref
+
+        def build(i: int):
+            logits = torch.randn(tokens, m.num_experts, device=self.dev)
+            call = lambda: route_topk(logits, m.top_k, True, num_warps)  # noqa: E731
+            return call, (lambda: rel_err(call()[1], route_topk_ref(logits, m.top_k, True)[1]))
+
+        return self.measure(f"route_topk_T{tokens}_w{num_warps}", tokens * (m.num_experts + 3 * m.top_k) * 4, build)
+
     def gemv(self, name: str, tokens: int, n: int, k: int, parts: int, config: tuple | None = None,
              fp8: bool = False) -> dict:
         """x [tokens, k] @ w [n, k]ᵀ: on the Triton GEMV with `config` (kernels/gemv.py; parts > 1: fp32 partials), or
@@ -679,7 +691,8 @@ def moe_rows(shapes: MoeShapes = QWEN3_30B_A3B, timer: Timer = graph_timer, max_
              gemv_max_tokens: int = 16, torch_align: bool = False) -> dict:
     """The MoE experts at each of `tokens` (shapes.tokens), with each tile (MoeTile fields; None: as served); with
     gemv_sweep also, up to gemv_max_tokens tokens, kernels/moe_gemv.py by tile (MOE_GEMV_GATE_UP with down's default
-    tile, MOE_GEMV_DOWN with gate_up's), and at one token the router's logits on cuBLAS and on kernels/gemv.py; with
+    tile, MOE_GEMV_DOWN with gate_up's), at one token the router's logits on cuBLAS and on kernels/gemv.py, and the
+    router's top-k at 1, 64 and 256 tokens on 1, 2 and 4 warps; with
     torch_align also each given tile with the torch sort, past fused_moe.SMALL_PAIRS pairs."""
     from services.gpu_worker.kernels import fused_moe as fm
     from services.gpu_worker.kernels import moe_gemv as mg
@@ -700,6 +713,9 @@ def moe_rows(shapes: MoeShapes = QWEN3_30B_A3B, timer: Timer = graph_timer, max_
         t.gemv("router", 1, shapes.num_experts, shapes.hidden, 1)
         for cfg in ((2, 2048, 4, 1), (1, 2048, 4, 1), (4, 1024, 4, 1)):
             t.gemv("router", 1, shapes.num_experts, shapes.hidden, 1, cfg)
+        for m in (1, 64, 256):
+            for warps in (1, 2, 4):
+                t.route(shapes, m, warps)
     return t.rows
 
 

@@ -49,10 +49,12 @@ def test_gemv_of_fp8_weights_applies_each_rows_scale(num_tokens):
 
 
 def test_gemv_configs_fit_the_shapes_they_serve():
-    """Llama-3.1-8B's projections at one token take the H200's measured tiles; every shape's tile is no wider than a
-    part of K, and the dot path's has the 16 columns tl.dot needs."""
-    llama8b = ((6144, 4096, 1), (4096, 4096, 1), (28672, 4096, 1), (4096, 14336, 1), (128256, 4096, 1))
-    others = ((4096, 4096, 2), (4096, 14336, 2), (576, 576, 1), (1536, 576, 2), (49152, 576, 1))
+    """Llama-3.1-8B's projections at one token take the H200's measured tiles, and Qwen3-30B-A3B's q/k/v and LM head
+    the H100's; every shape's tile is no wider than a part of K, and the dot path's has the 16 columns tl.dot
+    needs."""
+    llama8b = ((6144, 4096, 1), (4096, 4096, 1), (28672, 4096, 1), (4096, 14336, 1), (128256, 4096, 1),
+               (5120, 2048, 1), (151936, 2048, 1))
+    others = ((4096, 4096, 2), (4096, 14336, 2), (576, 576, 1), (1536, 576, 2), (49152, 576, 1), (2048, 4096, 1))
     for n, k, parts in llama8b + others:
         for m in (1, 2, 8, 16):
             cfg = g.config_for(n, k, parts, m)

@@ -148,7 +148,7 @@ def test_the_moe_rows_check_the_fused_layer_and_count_the_experts_hit():
 def test_the_moe_gemv_sweep_checks_each_decode_tile_and_the_router():
     """--moe-gemv-sweep: at a token count up to its limit, kernels/moe_gemv.py with each gate_up tile (down at its
     default) and each other down tile, every one against the reference; none past the limit; the router's logits at
-    one token on cuBLAS and on the Triton GEMV."""
+    one token on cuBLAS and on the Triton GEMV; its top-k on 1, 2 and 4 warps."""
     from services.gpu_worker.kernels.moe_gemv import default_config
 
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
@@ -162,6 +162,7 @@ def test_the_moe_gemv_sweep_checks_each_decode_tile_and_the_router():
     assert len(gemv_rows) == len(kt.MOE_GEMV_GATE_UP) + len([d for d in kt.MOE_GEMV_DOWN if d != base_down]) == 16
     assert {"moe_E8_k2_T1_16x16x16w4s1", "moe_E8_k2_T3_16x16x16w4s1", "gemv_router_M1_p1_cublas",
             "gemv_router_M1_p1_2x2048w4s1"} <= set(rows)
+    assert {f"route_topk_T{t}_w{w}" for t in (1, 64, 256) for w in (1, 2, 4)} <= set(rows)
     for name, row in rows.items():
         assert row["rel_err"] <= (2e-2 if dtype == torch.bfloat16 else 1e-5), (name, row)
     assert rows[gemv_rows[0]]["bytes"] == rows["moe_E8_k2_T1_16x16x16w4s1"]["bytes"]

@@ -51,6 +51,10 @@ TUNED: dict[tuple[int, int, int, int], GemvConfig] = {
     (28672, 4096, 1, 1): GemvConfig(2, 4096, 4),  # gate/up: 58.02 µs, cuBLAS 63.76
     (4096, 14336, 1, 1): GemvConfig(4, 2048, 4),  # down: 32.89 µs, cuBLAS 35.90 (33.95 split-K in 4)
     (128256, 4096, 1, 1): GemvConfig(2, 4096, 4),  # LM head: 241.0 µs, cuBLAS 252.1
+    # Qwen3-30B-A3B's dense projections on an H100 (kernel_table --gemv-sweep --gemv-model qwen3-30b-a3b, 2026-12-07,
+    # 32 tiles a shape; the H200 unmeasured); o's best is the heuristic's 2 x 4096 (8.15 µs, cuBLAS 11.49)
+    (5120, 2048, 1, 1): GemvConfig(1, 512, 4),  # q/k/v: 9.65 µs (0.72 of copy), heuristic 2 x 2048 10.16
+    (151936, 2048, 1, 1): GemvConfig(4, 2048, 4),  # LM head: 206.8 µs (0.998), heuristic 2 x 2048 211.1
 }
 
 

@@ -8,6 +8,10 @@ import torch
 import triton
 import triton.language as tl
 
+# A program's warps. Its 2·TOP_K reductions over E logits run one after another; in one warp each is register
+# shuffles only, in several each also crosses warps through shared memory behind a barrier.
+ROUTE_WARPS = 4
+
 
 @triton.jit
 def _route_topk_kernel(logits_ptr, ids_ptr, weights_ptr, stride_l, num_experts, TOP_K: tl.constexpr,
@@ -34,17 +38,19 @@ def _route_topk_kernel(logits_ptr, ids_ptr, weights_ptr, stride_l, num_experts, 
     tl.store(weights_ptr + t * TOP_K + k_offs, weights)
 
 
-def route_topk(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route_topk(logits: torch.Tensor, top_k: int, normalize: bool,
+               num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] → (top_ids [T, k] int64, top_weights [T, k] fp32): softmax in fp32, the k largest in
     descending order, divided by their sum when normalize. top_k must be a power of two (8 in Qwen3-MoE, 2 in
-    Mixtral)."""
+    Mixtral). num_warps: a program's warps (default ROUTE_WARPS; bench/kernel_table.py times the others)."""
     num_tokens, num_experts = logits.shape
     assert top_k & (top_k - 1) == 0 and logits.stride(1) == 1
     ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=logits.device)
     weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=logits.device)
     if num_tokens:
         _route_topk_kernel[(num_tokens,)](logits, ids, weights, logits.stride(0), num_experts, TOP_K=top_k,
-                                          NORMALIZE=normalize, BLOCK_E=triton.next_power_of_2(num_experts))
+                                          NORMALIZE=normalize, BLOCK_E=triton.next_power_of_2(num_experts),
+                                          num_warps=num_warps or ROUTE_WARPS)
     return ids, weights
 
 
