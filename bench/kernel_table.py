@@ -10,15 +10,16 @@ over inputs of its own, and one replay (do_bench flushes L2 before it) is divide
 from DRAM, and a row is what the kernel costs as a node of the engine's graphs: its GPU time plus the gap to the
 next node. The row `empty`, a kernel of one program that does nothing, is that floor.
 
-    python -m bench.kernel_table --out $OUT [--tile-sweep] [--split-sweep] [--gemv-sweep] [--w4a16-sweep]
-        [--fp8-gemv-sweep]  # Llama-3.1-8B
+    python -m bench.kernel_table --out $OUT [--tile-sweep] [--split-sweep] [--min-split-keys 64,128,256,512]
+        [--gemv-sweep] [--w4a16-sweep] [--fp8-gemv-sweep]  # Llama-3.1-8B
     python -m bench.kernel_table --out $OUT --no-table --gemv-sweep --gemv-model qwen3-30b-a3b  # its dense GEMVs
     python -m bench.kernel_table --out $OUT --no-table --moe [--moe-tiles 16,64,64,4,2;...] [--moe-tokens 1,8]
         [--moe-gemv-sweep]  # Qwen3-30B-A3B's MoE
 
 The sweeps time one kernel over its options: the decode kernel by tile at small batches and by split count at large
-ones; the model's projections on cuBLAS and on kernels/gemv.py by tile and split count (gemv_sweep, whose fastest
-tiles gemv_tuning turns into that module's TUNED table). --moe times the fused MoE layer (kernels/fused_moe.py) on
+ones (each also by keys per split, decode_attention.MIN_SPLIT_KEYS, with --min-split-keys); the model's projections
+on cuBLAS and on kernels/gemv.py by tile and split count (gemv_sweep, whose fastest tiles gemv_tuning turns into that
+module's TUNED table). --moe times the fused MoE layer (kernels/fused_moe.py) on
 Qwen3-30B-A3B's expert shapes, by token count and, with --moe-tiles, by tile; --moe-gemv-sweep adds the decode
 path (kernels/moe_gemv.py) by tile and the router at one token.
 """
@@ -189,18 +190,19 @@ class Table:
         self.measure("empty", 0, lambda i: (lambda: _empty_kernel[(1,)](x), lambda: 0.0))
 
     def decode(self, batch: int, context: int, cache_dtype: torch.dtype, tile: tuple | None = None,
-               splits: int | None = None) -> None:
+               splits: int | None = None, min_split_keys: int | None = None) -> None:
         """The engine's decode step: decode_attention_rope (RoPE of the new token's q and k, its k and v written
         into the cache, attention over the `context` keys, split-K with its reduce where the batch is small).
-        tile, splits: the split kernel's tile and split count (where None, decode_attention.default_tile's and
-        num_splits_for's; where given, named in the row's key)."""
+        tile, splits, min_split_keys: the split kernel's tile, split count and keys per split (where None,
+        decode_attention.default_tile's, num_splits_for's and MIN_SPLIT_KEYS; where given, named in the row's
+        key)."""
         from services.gpu_worker.kernels.decode_attention import (decode_attention_ref, decode_attention_rope,
                                                                   num_splits_for, tile_name)
         from services.gpu_worker.kv_cache import v_rows
 
         s = self.s
         name = (f"decode_{self.cache_name(cache_dtype)}_B{batch}_L{context}" + (f"_{tile_name(tile)}" if tile else "")
-                + (f"_{splits}splits" if splits else ""))
+                + (f"_{splits}splits" if splits else "") + (f"_{min_split_keys}minkeys" if min_split_keys else ""))
         splits = splits or num_splits_for(batch, s.kv_heads, self.num_sms)
         per_seq = -(-context // s.page_size)
         esize = cache_dtype.itemsize
@@ -220,7 +222,7 @@ class Table:
 
             def call():
                 decode_attention_rope(q, k, v, positions, inv_freq, k_cache, v_cache, slots, table, lens, splits,
-                                      out=out, tile=tile)
+                                      out=out, tile=tile, min_split_keys=min_split_keys)
 
             def error() -> float:
                 rq, kc, vc = self.reference_write(q, k, v, positions, inv_freq, k_cache, v_cache, slots)
@@ -232,7 +234,8 @@ class Table:
 
         kv_bytes = batch * context * s.kv_heads * s.head_dim * 2 * esize
         qkv_out_bytes = batch * (2 * s.heads + 2 * s.kv_heads) * s.head_dim * self.esize
-        self.measure(name, kv_bytes + qkv_out_bytes, build, splits=splits)
+        self.measure(name, kv_bytes + qkv_out_bytes, build, splits=splits,
+                     **({"min_split_keys": min_split_keys} if min_split_keys else {}))
 
     def extend(self, num_seqs: int, new_tokens: int) -> None:
         """Prefill attention: `new_tokens` causal queries per sequence over its keys, no cached prefix."""
@@ -473,6 +476,7 @@ class Table:
 
         num_bytes = n * k // 2 + 2 * n * (k // group_size) * self.esize + tokens * (n + k) * self.esize
         label = "default" if config is None else config if isinstance(config, str) else "{}x{}x{}w{}s{}".format(*config)
+        label += "g" if cfg is not None and cfg.per_group else ""
         return self.measure(f"w4a16_{name}_M{tokens}_{label}", num_bytes, build)
 
 
@@ -513,14 +517,16 @@ SWEEP_TILES = {torch.bfloat16: ((16, 2, 2, False, 0, False), (16, 4, 2, False, 0
 
 def tile_sweep(shapes: Shapes = LLAMA3_8B, timer: Timer = graph_timer, max_calls: int = MAX_CALLS,
                copy_tbs: float | None = None, device: str = "cuda", sweep_shapes: tuple = SWEEP_SHAPES,
-               tiles: dict | None = None, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """The decode rows of `sweep_shapes` with each tile of `tiles` (SWEEP_TILES': cache dtype → tiles); dtype: the
-    activations'."""
+               tiles: dict | None = None, dtype: torch.dtype = torch.bfloat16,
+               min_split_keys: tuple = (None,)) -> dict:
+    """The decode rows of `sweep_shapes` with each tile of `tiles` (SWEEP_TILES': cache dtype → tiles) and each
+    keys-per-split of `min_split_keys` (None: decode_attention.MIN_SPLIT_KEYS); dtype: the activations'."""
     t = Table(shapes, timer, max_calls, copy_tbs, device, dtype)
     for cache_dtype, dtype_tiles in (tiles or SWEEP_TILES).items():
         for batch, context in sweep_shapes:
             for tile in dtype_tiles:
-                t.decode(batch, context, cache_dtype, tile)
+                for keys in min_split_keys:
+                    t.decode(batch, context, cache_dtype, tile, min_split_keys=keys)
     return t.rows
 
 
@@ -532,13 +538,16 @@ SPLIT_COUNTS = (1, 2, 4)
 
 def split_sweep(shapes: Shapes = LLAMA3_8B, timer: Timer = graph_timer, max_calls: int = MAX_CALLS,
                 copy_tbs: float | None = None, device: str = "cuda", sweep_shapes: tuple = SPLIT_SHAPES,
-                counts: tuple = SPLIT_COUNTS, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """The decode rows of `sweep_shapes` by split count, with each cache dtype's default tile."""
+                counts: tuple = SPLIT_COUNTS, dtype: torch.dtype = torch.bfloat16,
+                min_split_keys: tuple = (None,)) -> dict:
+    """The decode rows of `sweep_shapes` by split count and keys per split (tile_sweep's min_split_keys), with each
+    cache dtype's default tile."""
     t = Table(shapes, timer, max_calls, copy_tbs, device, dtype)
     for cache_dtype in (dtype, FP8):
         for batch, context in sweep_shapes:
             for splits in counts:
-                t.decode(batch, context, cache_dtype, splits=splits)
+                for keys in min_split_keys:
+                    t.decode(batch, context, cache_dtype, splits=splits, min_split_keys=keys)
     return t.rows
 
 
@@ -625,13 +634,19 @@ def fp8_gemv_sweep(shapes: Shapes = LLAMA3_8B, timer: Timer = graph_timer, max_c
 # thread, more warps an SM) are swept. (A register prefetch of the next step's loads lost at every tile: removed.)
 W4A16_TILES = tuple((1, bn, bk, w) for bn in (4, 8, 16) for bk in (512, 1024, 2048) for w in (4, 8))
 W4A16_TOKENS = (8, 32, 64, 128, 256)  # the sweep's multi-token rows: decode batches and a prefill chunk
+# The per-group one-token kernel's tiles (w4a16._w4a16_gemv_group_kernel) as (rows, groups a step, warps): each
+# thread holds 16 or 32 words of a step
+W4A16_GROUP_TILES = ((8, 4, 1), (8, 8, 1), (16, 2, 1), (16, 4, 1), (16, 4, 2), (16, 8, 2), (16, 8, 4), (32, 2, 2),
+                     (32, 4, 2), (32, 4, 4), (32, 8, 4), (64, 1, 2), (64, 2, 4), (64, 4, 4), (64, 4, 8), (128, 1, 4),
+                     (128, 2, 4), (128, 2, 8))
 
 
 def w4a16_sweep(shapes: Shapes = LLAMA3_8B, timer: Timer = graph_timer, max_calls: int = MAX_CALLS,
                 copy_tbs: float | None = None, device: str = "cuda", tiles: tuple = W4A16_TILES,
-                dtype: torch.dtype = torch.bfloat16, group_size: int = 128, tokens: tuple = W4A16_TOKENS) -> dict:
+                dtype: torch.dtype = torch.bfloat16, group_size: int = 128, tokens: tuple = W4A16_TOKENS,
+                group_tiles: tuple = W4A16_GROUP_TILES) -> dict:
     """Each projection of `shapes` at one token on the INT4 kernel (kernels/w4a16.py): at config_for's tile and at
-    each of `tiles` no wider than K, beside the bf16 weights on cuBLAS → {"rows", "best": per projection the fastest
+    each of `tiles` and of the per-group kernel's `group_tiles` (rows, groups a step, warps) no wider than K, beside the bf16 weights on cuBLAS → {"rows", "best": per projection the fastest
     tile, its µs and fraction of copy, the default tile's µs and cuBLAS bf16's µs; "tokens": at each of W4A16_TOKENS,
     the default path as served, the dequantizing dot tile, dequantize-then-cuBLAS and bf16 cuBLAS}: where to set
     w4a16.DEQUANT_MIN_TOKENS."""
@@ -644,7 +659,8 @@ def w4a16_sweep(shapes: Shapes = LLAMA3_8B, timer: Timer = graph_timer, max_call
             continue
         dense = t.gemv(name, 1, n, k, 1)
         default = t.w4a16(name, 1, n, k, group_size=group_size)
-        tried = {cfg: t.w4a16(name, 1, n, k, cfg, group_size) for cfg in tiles if cfg[2] <= k}
+        grouped = [(1, bn, gps * group_size, w, 1, True) for bn, gps, w in group_tiles]
+        tried = {cfg: t.w4a16(name, 1, n, k, cfg, group_size) for cfg in (*tiles, *grouped) if cfg[2] <= k}
         cfg = min(tried, key=lambda c: tried[c]["us"])
         best[name] = {"n": n, "k": k, "config": list(cfg), "us": tried[cfg]["us"], "of_copy": tried[cfg].get("of_copy"),
                       "default_us": default["us"], "bf16_cublas_us": dense["us"]}
@@ -738,6 +754,8 @@ def main() -> int:
                    "(keys,warps,stages,fp16_dots,max_regs[,asm_unpack] separated by ';') instead of SWEEP_TILES")
     p.add_argument("--split-sweep", action="store_true", help="also the decode kernel by split count at large batches "
                    "(SPLIT_SHAPES x SPLIT_COUNTS), under the key split_sweep")
+    p.add_argument("--min-split-keys", default="", help="--tile-sweep and --split-sweep also by keys per split "
+                   "(comma-separated, e.g. 64,128,256,512) instead of decode_attention.MIN_SPLIT_KEYS alone")
     p.add_argument("--gemv-sweep", action="store_true", help="also the projections on cuBLAS and on the Triton GEMV "
                    "by tile and split count at 1 and 8 tokens (gemv_sweep), under the key gemv_sweep")
     p.add_argument("--gemv-model", choices=("llama3-8b", "qwen3-30b-a3b"), default="llama3-8b",
@@ -772,8 +790,9 @@ def main() -> int:
 
     shapes = tuple(tuple(int(x) for x in shape.split("x")) for shape in args.sweep_shapes.split(",") if shape)
     fp8_tiles = tuple(parse_tile(tile) for tile in args.sweep_fp8_tiles.split(";") if tile)
+    min_split_keys = tuple(int(x) for x in args.min_split_keys.split(",") if x) or (None,)
     sweep = functools.partial(tile_sweep, sweep_shapes=shapes or SWEEP_SHAPES, tiles={FP8: fp8_tiles} if fp8_tiles
-                              else None)
+                              else None, min_split_keys=min_split_keys)
     moe_tiles = tuple(tuple(int(x) for x in tile.split(",")) for tile in args.moe_tiles.split(";") if tile)
     moe_tokens = tuple(int(x) for x in args.moe_tokens.split(",") if x) or None
     moe = functools.partial(moe_rows, tiles=moe_tiles or (None,), tokens=moe_tokens, gemv_sweep=args.moe_gemv_sweep,
@@ -784,7 +803,8 @@ def main() -> int:
     else:
         gemv_sweep_run = gemv_sweep
     parts = (({} if args.no_table else {"rows": table}) | ({"tile_sweep": sweep} if args.tile_sweep else {})
-             | ({"split_sweep": split_sweep} if args.split_sweep else {})
+             | ({"split_sweep": functools.partial(split_sweep, min_split_keys=min_split_keys)} if args.split_sweep
+                else {})
              | ({"gemv_sweep": gemv_sweep_run} if args.gemv_sweep else {})
              | ({"w4a16_sweep": w4a16_sweep} if args.w4a16_sweep else {})
              | ({"fp8_gemv_sweep": fp8_gemv_sweep} if args.fp8_gemv_sweep else {}) | ({"moe": moe} if args.moe else {}))

@@ -76,6 +76,23 @@ def test_the_split_sweep_names_each_count_and_checks_it():
         assert row["rel_err"] < (0.1 if "fp8" in key else 0.02) and row["splits"] == int(key[-7]), (key, row)
 
 
+def test_the_decode_sweeps_name_each_keys_per_split_and_check_it():
+    """--min-split-keys: each tile (and split count) also at 8 keys per split, where 37 keys take 3 of the 4 splits
+    (the default, 256, gives them one), each row against the reference."""
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    timer = kt.graph_timer if DEVICE == "cuda" else kt.eager_timer
+    name = "bf16" if dtype == torch.bfloat16 else "fp32"
+    tiles = kt.tile_sweep(SMALL, timer=timer, max_calls=2, device=DEVICE, sweep_shapes=((1, 37),),
+                          tiles={dtype: ((16, 2, 2, False, 0, False),)}, dtype=dtype, min_split_keys=(None, 8))
+    splits = kt.split_sweep(SMALL, timer=timer, max_calls=2, device=DEVICE, sweep_shapes=((1, 37),), counts=(4,),
+                            dtype=dtype, min_split_keys=(None, 8))
+    assert set(tiles) == {f"decode_{name}_B1_L37_16x2w2s", f"decode_{name}_B1_L37_16x2w2s_8minkeys"}
+    assert set(splits) == {f"decode_{c}_B1_L37_4splits{k}" for c in (name, "fp8") for k in ("", "_8minkeys")}
+    for key, row in (tiles | splits).items():  # FP8: the first test's NOTE
+        assert row["rel_err"] < (0.1 if "fp8" in key else 0.02), (key, row)
+        assert row.get("min_split_keys") == (8 if key.endswith("_8minkeys") else None), (key, row)
+
+
 def test_the_gemv_sweep_checks_each_tile_and_tunes_from_the_fastest():
     """Every projection at 1 and 8 tokens, on cuBLAS and each tile that fits a part, matches the GEMV's reference;
     "best" names the fastest tile; gemv_tuning turns it into kernels/gemv.TUNED entries and a row split count."""
@@ -175,16 +192,19 @@ def test_the_w4a16_sweep_checks_each_tile_against_the_dequantized_weight():
     timer = kt.graph_timer if DEVICE == "cuda" else kt.eager_timer
     tiles = ((1, 2, 32, 4, 1), (1, 4, 64, 4, 1), (1, 2, 128, 4, 1))  # 128 is wider than every K here (64, 96)
     res = kt.w4a16_sweep(SMALL, timer=timer, max_calls=2, device=DEVICE, dtype=dtype, tiles=tiles, group_size=32,
-                         tokens=(5,))
+                         tokens=(5,), group_tiles=((8, 1, 1), (16, 2, 1), (16, 4, 2)))  # 4 groups: wider than K
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     for name, row in res["rows"].items():
         assert row["rel_err"] <= tol, (name, row)
     assert set(res["best"]) == {"qkv", "o", "gate_up", "down"}
     assert not any(key.endswith("1x2x128w4s1") for key in res["rows"]) and "w4a16_down_M1_1x4x64w4s1" in res["rows"]
+    assert {"w4a16_down_M1_1x8x32w1s1g", "w4a16_down_M1_1x16x64w1s1g"} <= set(res["rows"])  # the per-group kernel
+    assert not any(key.endswith("1x16x128w2s1g") for key in res["rows"])
     for name, b in res["best"].items():
         fastest = min((r["us"], key) for key, r in res["rows"].items()
                       if key.startswith(f"w4a16_{name}_M1_") and not key.endswith("default"))
-        assert b["us"] == fastest[0] and fastest[1].endswith("{}x{}x{}w{}s{}".format(*b["config"]))
+        label = "{}x{}x{}w{}s{}".format(*b["config"]) + ("g" if b["config"][5:] == [True] else "")
+        assert b["us"] == fastest[0] and fastest[1].endswith(label)
         assert b["default_us"] == res["rows"][f"w4a16_{name}_M1_default"]["us"]
         several = res["tokens"][f"{name}_M5"]  # five tokens: as served, the dequantizing tile, bf16
         assert several["default_us"] == res["rows"][f"w4a16_{name}_M5_default"]["us"] and several["bf16_cublas_us"] > 0
