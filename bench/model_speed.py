@@ -34,6 +34,7 @@ from bench.timing import copy_bandwidth
 # kernel-name fragments → family, first match wins (names of the Triton kernels in services/gpu_worker/kernels)
 FAMILIES = (("moe_gemm", "moe grouped GEMM"), ("_gate_up_kernel", "moe GEMV"), ("_down_kernel", "moe GEMV"),
             ("route_topk", "moe routing"), ("align_small", "moe routing"), ("_chunk_", "moe routing"),
+            ("norm_router", "RMSNorm + router"),
             ("w4a16", "W4A16 GEMM"), ("gemv", "GEMV"), ("decode", "attention"), ("extend", "attention"),
             ("rope", "attention"), ("rms_norm", "RMSNorm"), ("silu", "SiLU·mul"), ("gemm", "cuBLAS GEMM"),
             ("cutlass", "cuBLAS GEMM"), ("sm90", "cuBLAS GEMM"), ("argmax", "sampling"))

@@ -25,6 +25,26 @@ def test_route_topk_equals_softmax_topk(num_tokens, num_experts, top_k, normaliz
         torch.testing.assert_close(weights.sum(-1), torch.ones(num_tokens, device=DEVICE))
 
 
+@pytest.mark.parametrize("num_tokens,hidden,num_experts,parts", [
+    (1, 64, 16, 1), (3, 48, 7, 1), (4, 64, 128, 1), (2, 48, 6, 3)])
+def test_norm_router_equals_rms_norm_then_the_router(num_tokens, hidden, num_experts, parts):
+    """The fused residual add, RMSNorm and router logits: the normed activation and the residual bit for bit as
+    rms_norm writes them (hidden 48: a masked block; 7 experts: a half-filled last program; 3 split-K partials
+    summed first), the logits as the router's matmul of that activation."""
+    from services.gpu_worker.kernels.rms_norm import rms_norm
+
+    gen = torch.Generator().manual_seed(num_tokens + hidden)
+    h = randn((parts, num_tokens, hidden) if parts > 1 else (num_tokens, hidden), gen, torch.float32, DEVICE)
+    residual = randn((num_tokens, hidden), gen, torch.float32, DEVICE)
+    norm_weight = randn((hidden,), gen, torch.float32, DEVICE) + 1.0
+    router = randn((num_experts, hidden), gen, torch.float32, DEVICE, scale=hidden ** -0.5)
+    x, res_out, logits = mr.norm_router(h, residual, norm_weight, 1e-6, router)
+    want_x, want_res = rms_norm(h, norm_weight, 1e-6, residual)
+    assert torch.equal(x, want_x) and torch.equal(res_out, want_res)
+    assert logits.shape == (num_tokens, num_experts)
+    torch.testing.assert_close(logits, want_x @ router.t(), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("align,num_tokens,num_experts,top_k,block_m,hit", [
     *(("small", *case) for case in [(1, 128, 8, 16, None), (32, 128, 8, 16, None), (7, 6, 2, 16, None),
                                     (3, 8, 2, 64, None), (40, 8, 2, 16, 3), (64, 16, 4, 16, 4), (1, 6, 1, 16, None)]),
@@ -86,3 +106,25 @@ def test_both_captured_in_a_cuda_graph():
     torch.testing.assert_close(weights.sort(-1).values, ref_weights.sort(-1).values, rtol=1e-5, atol=1e-7)
     want = fm.align_by_expert(ids, 128, 16)
     assert torch.equal(blocks.pair_ids, want.pair_ids) and torch.equal(blocks.block_expert, want.block_expert)
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_norm_router_in_bf16_under_a_cuda_graph():
+    """Qwen3-30B-A3B's shapes (hidden 2048, 128 experts) in bf16, replayed: the normed activation and residual bit
+    for bit as rms_norm's, the logits to bf16 rounding of the router's matmul."""
+    from services.gpu_worker.kernels.rms_norm import rms_norm
+
+    gen = torch.Generator().manual_seed(2)
+    h, residual = (randn((1, 2048), gen, torch.bfloat16, DEVICE) for _ in range(2))
+    norm_weight = randn((2048,), gen, torch.bfloat16, DEVICE) + 1.0
+    router = randn((128, 2048), gen, torch.bfloat16, DEVICE, scale=2048 ** -0.5)
+    mr.norm_router(h, residual, norm_weight, 1e-6, router)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        x, res_out, logits = mr.norm_router(h, residual, norm_weight, 1e-6, router)
+    h.copy_(randn((1, 2048), gen, torch.bfloat16, DEVICE))
+    graph.replay()
+    want_x, want_res = rms_norm(h, norm_weight, 1e-6, residual)
+    assert torch.equal(x, want_x) and torch.equal(res_out, want_res)
+    torch.testing.assert_close(logits.float(), want_x.float() @ router.float().t(), rtol=2e-2, atol=2e-2)

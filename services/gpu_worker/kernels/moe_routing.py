@@ -1,7 +1,15 @@
-"""The mixture-of-experts router in one Triton launch: router logits [T, E] → the top k experts of each token's
-softmax, renormalised to sum 1 when asked; one program per token instead of torch's softmax, topk and division
-(3-5 launches). With fused_moe.align_small it takes ~15 launches of tiny kernels out of each MoE layer of a decode
-step (at batch 1 a Qwen3-30B-A3B layer routes 8 pairs). Fixed output sizes, no host sync."""
+"""The mixture-of-experts router on the GPU, in two launches a layer of a decode step, fixed sizes and no host sync:
+
+    norm_router   the layer's post-attention residual add and RMSNorm (kernels/rms_norm.py's arithmetic) fused with
+                  the router's logits: each program norms the token itself and multiplies it by ROUTER_ROWS rows of
+                  the router's weight; the first program of each token also writes the normed activation and the
+                  new residual. For decode steps of few tokens, where the router's E × hidden GEMV (0.5 MB in
+                  Qwen3-30B-A3B) and the norm are each a launch of a few µs.
+    route_topk    router logits [T, E] → the top k experts of each token's softmax, renormalised to sum 1 when
+                  asked; one program per token instead of torch's softmax, topk and division (3-5 launches).
+
+With fused_moe.align_small they took ~15 launches of tiny kernels out of each MoE layer of a decode step (at batch 1
+a Qwen3-30B-A3B layer routes 8 pairs)."""
 from __future__ import annotations
 
 import torch
@@ -11,6 +19,60 @@ import triton.language as tl
 # A program's warps. Its 2·TOP_K reductions over E logits run one after another; in one warp each is register
 # shuffles only, in several each also crosses warps through shared memory behind a barrier.
 ROUTE_WARPS = 4
+ROUTER_ROWS = 2  # norm_router: router rows a program (64 programs for Qwen3-MoE's 128 experts)
+
+
+@triton.jit
+def _norm_router_kernel(h_ptr, res_ptr, nw_ptr, rw_ptr, out_ptr, res_out_ptr, logits_ptr, stride_part, stride_h,
+                        stride_r, stride_o, stride_ro, stride_l, stride_rw, hidden, num_experts, eps,
+                        NUM_PARTS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    t = tl.program_id(0)
+    pid = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < hidden
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    router = tl.load(rw_ptr + rows[:, None] * stride_rw + offs[None, :],
+                     mask=(rows < num_experts)[:, None] & mask[None, :], other=0.0)  # [ROWS, BLOCK]: no wait on x
+    w = tl.load(nw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(res_ptr + t * stride_r + offs, mask=mask, other=0.0)
+    if NUM_PARTS == 1:
+        x = tl.load(h_ptr + t * stride_h + offs, mask=mask, other=0.0)
+    else:  # split-K partials of the projection before: summed, rounded as cuBLAS would write them
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for part in tl.static_range(NUM_PARTS):
+            acc += tl.load(h_ptr + part * stride_part + t * stride_h + offs, mask=mask, other=0.0)
+        x = acc.to(r.dtype)
+    # NOTE: as _rms_norm_kernel: the sum rounded to the activation dtype, the normed value rounded before the weight
+    x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    x32 = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / hidden + eps)
+    y = ((x32 * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * w).to(out_ptr.dtype.element_ty)
+    if pid == 0:
+        tl.store(res_out_ptr + t * stride_ro + offs, x, mask=mask)
+        tl.store(out_ptr + t * stride_o + offs, y, mask=mask)
+    logits = tl.sum(router.to(tl.float32) * y.to(tl.float32)[None, :], axis=1)  # [ROWS]
+    tl.store(logits_ptr + t * stride_l + rows, logits.to(logits_ptr.dtype.element_ty), mask=rows < num_experts)
+
+
+def norm_router(h: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                router_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h, residual [T, hidden], norm_weight [hidden], router_weight [E, hidden] → (x = norm(h + residual) · w,
+    h + residual, logits x @ router_weightᵀ [T, E]), all in residual's dtype: rms_norm's two outputs and the
+    router's logits in one launch. h may be split-K partials [S, T, hidden] fp32, as rms_norm takes them."""
+    parts = h if h.dim() == 3 else h.unsqueeze(0)  # [S, T, hidden]
+    num_parts, num_tokens, hidden = parts.shape
+    num_experts = router_weight.shape[0]
+    assert parts.stride(2) == 1 and residual.stride(1) == 1 and router_weight.stride(1) == 1
+    out = torch.empty_like(residual)
+    res_out = torch.empty_like(residual)
+    logits = torch.empty((num_tokens, num_experts), dtype=residual.dtype, device=residual.device)
+    if num_tokens:
+        _norm_router_kernel[(num_tokens, triton.cdiv(num_experts, ROUTER_ROWS))](
+            parts, residual, norm_weight, router_weight, out, res_out, logits, parts.stride(0), parts.stride(1),
+            residual.stride(0), out.stride(0), res_out.stride(0), logits.stride(0), router_weight.stride(0), hidden,
+            num_experts, eps, NUM_PARTS=num_parts, BLOCK=triton.next_power_of_2(hidden), ROWS=ROUTER_ROWS,
+            num_warps=4)
+    return out, res_out, logits
 
 
 @triton.jit

@@ -4,7 +4,8 @@ On CUDA the experts run on kernels/fused_moe.py: the (token, expert) pairs sorte
 grouped Triton GEMM over the experts that were hit and the top-k combine, with no host sync, so the same path runs
 eagerly and under CUDA graph capture; a decode step of few tokens takes kernels/moe_gemv.py instead (each pair a
 matrix-vector product, the combine folded into the down pass). The router's softmax and top-k there are one kernel
-(kernels/moe_routing.py), its logits at one token on the Triton GEMV.
+(kernels/moe_routing.py); its logits, in such a step, come from the post-attention RMSNorm's launch
+(moe_routing.norm_router, called by model/fused.py), else at one token from the Triton GEMV.
 The torch path, the CPU's and the kernel's reference in the tests, groups the tokens by expert: the T·k (token,
 expert) pairs are sorted by expert, each expert that was hit runs one GEMM pair over its contiguous rows, and the
 weighted rows are summed back per token (index_add_). The loop is over experts, never over tokens; the group sizes
@@ -87,24 +88,44 @@ class SparseMoe(nn.Module):
         share = cfg.moe_intermediate_size // (1 if tp is None else tp.size)
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, share)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, hidden] → top_ids [T, k] int64, top_weights [T, k] fp32."""
+    def _routes_on_kernels(self, x: torch.Tensor) -> bool:
         use_fused = x.is_cuda if self.experts.use_fused is None else self.experts.use_fused
-        if use_fused and self.top_k & (self.top_k - 1) == 0:  # one Triton launch (kernels/moe_routing.py)
+        return use_fused and self.top_k & (self.top_k - 1) == 0
+
+    def norm_router_weight(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The router's weight when a step of x's tokens computes the logits inside the post-attention RMSNorm's
+        launch (kernels/moe_routing.norm_router; model/fused.py calls it): decode steps of at most
+        fused_moe.GEMV_MAX_TOKENS tokens on the kernels, a plain router in x's dtype. Else None."""
+        if not self._routes_on_kernels(x):
+            return None
+        from services.gpu_worker.kernels.fused_moe import GEMV_MAX_TOKENS  # imports triton
+
+        weight = self.gate.weight
+        if (x.shape[0] <= GEMV_MAX_TOKENS and type(self.gate) is nn.Linear and self.gate.bias is None
+                and weight.dtype == x.dtype):
+            return weight
+        return None
+
+    def route(self, x: torch.Tensor, logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] → top_ids [T, k] int64, top_weights [T, k] fp32. logits: the router's [T, E] when the
+        caller computed them (norm_router)."""
+        if self._routes_on_kernels(x):  # one Triton launch (kernels/moe_routing.py)
             from services.gpu_worker.kernels.gemv import gemv  # imports triton
             from services.gpu_worker.kernels.moe_routing import route_topk
 
             # one token: the router's E × hidden weight on the Triton GEMV, 2.67 µs against cuBLAS's 5.32 on an H100
             # for Qwen3-30B-A3B's 128 × 2048 (bench/kernel_table.py --moe-gemv-sweep)
-            logits = gemv(x, self.gate.weight) if x.shape[0] == 1 else self.gate(x)
+            if logits is None:
+                logits = gemv(x, self.gate.weight) if x.shape[0] == 1 else self.gate(x)
             return route_topk(logits, self.top_k, self.normalize)
+        assert logits is None, "given logits are taken on the kernels' path only"
         probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, E] fp32
         top_weights, top_ids = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:
             top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
         return top_ids, top_weights
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        top_ids, top_weights = self.route(x)
+    def forward(self, x: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
+        top_ids, top_weights = self.route(x, logits)
         out = self.experts(x, top_ids, top_weights)  # [T, hidden]
         return out if self.tp is None else self.tp.all_reduce(out)  # TP: the sum over the intermediate shares
