@@ -163,11 +163,17 @@ def _tiny_qwen3_moe(dtype: torch.dtype = torch.float32, device: str = "cpu") -> 
 
 
 @pytest.mark.parametrize("fused_experts", [False, True])
-def test_moe_triton_engine_equals_torch_cpu_interpreter(fused_experts):
+def test_moe_triton_engine_equals_torch_cpu_interpreter(fused_experts, monkeypatch):
     """A mixture-of-experts model on the fused forward (Triton norms, fused q/k/v, RoPE in the KV write) keeps its
-    routed experts between the norms (on the fused MoE kernel when fused_experts): the torch backend's tokens."""
+    routed experts between the norms (on the fused MoE kernel when fused_experts, its decode steps' router logits
+    from the post-attention norm's launch): the torch backend's tokens."""
     if torch.cuda.is_available():
         pytest.skip("interpreter (CPU) only")
+    from services.gpu_worker.model import fused
+
+    norm_router_tokens = []
+    real = fused.norm_router
+    monkeypatch.setattr(fused, "norm_router", lambda h, *a: norm_router_tokens.append(h.shape[0]) or real(h, *a))
 
     def experts_path(engine: Engine) -> None:
         for layer in engine.model.model.layers:
@@ -175,6 +181,8 @@ def test_moe_triton_engine_equals_torch_cpu_interpreter(fused_experts):
                 layer.mlp.experts.use_fused = fused_experts
 
     _interpreter_runs("tiny-qwen3-moe", _tiny_qwen3_moe(), experts_path)
+    # steps of up to fused_moe.GEMV_MAX_TOKENS (4) tokens take it, on the kernels only
+    assert bool(norm_router_tokens) == fused_experts and all(0 < t <= 4 for t in norm_router_tokens)
 
 
 def _eager_and_graphs_follow_torch(name: str, loaded: LoadedModel, num_prompts: int, max_len: int, num_new: int,

@@ -66,12 +66,13 @@ def norm_router(h: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tens
     out = torch.empty_like(residual)
     res_out = torch.empty_like(residual)
     logits = torch.empty((num_tokens, num_experts), dtype=residual.dtype, device=residual.device)
+    block = triton.next_power_of_2(hidden)
     if num_tokens:
         _norm_router_kernel[(num_tokens, triton.cdiv(num_experts, ROUTER_ROWS))](
             parts, residual, norm_weight, router_weight, out, res_out, logits, parts.stride(0), parts.stride(1),
             residual.stride(0), out.stride(0), res_out.stride(0), logits.stride(0), router_weight.stride(0), hidden,
-            num_experts, eps, NUM_PARTS=num_parts, BLOCK=triton.next_power_of_2(hidden), ROWS=ROUTER_ROWS,
-            num_warps=4)
+            num_experts, eps, NUM_PARTS=num_parts, BLOCK=block, ROWS=ROUTER_ROWS,
+            num_warps=min(16, max(1, block // 256)))  # rms_norm's warps: its sum of squares in the same order
     return out, res_out, logits
 
 

@@ -30,6 +30,7 @@ from torch import nn
 from services.gpu_worker.attention.base import AttentionBackend, AttentionMetadata
 from services.gpu_worker.kernels import gemv as triton_gemv
 from services.gpu_worker.kernels.embedding import embedding_fed
+from services.gpu_worker.kernels.moe_routing import norm_router
 from services.gpu_worker.kernels.rms_norm import rms_norm, rms_norm_heads_
 from services.gpu_worker.kernels.rope import rope_
 from services.gpu_worker.kernels.silu_mul import silu_mul
@@ -148,10 +149,16 @@ def forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, 
     for layer in model.model.layers:
         x, residual = rms_norm(h, layer.input_layernorm.weight, eps, residual)
         h = _attention(layer.self_attn, x, positions, model.inv_freq, cache, meta, backend, num_parts, gemv)
-        x, residual = rms_norm(h, layer.post_attention_layernorm.weight, eps, residual)
         if _is_moe(layer.mlp):
+            router = layer.mlp.norm_router_weight(residual)
+            if router is not None:  # the norm and the router's logits in one launch
+                x, residual, logits = norm_router(h, residual, layer.post_attention_layernorm.weight, eps, router)
+                h = layer.mlp(x, logits)
+                continue
+            x, residual = rms_norm(h, layer.post_attention_layernorm.weight, eps, residual)
             h = layer.mlp(x)  # [T, hidden]: routed experts (summed over the TP ranks inside)
             continue
+        x, residual = rms_norm(h, layer.post_attention_layernorm.weight, eps, residual)
         gate_up = _column_projection(x, layer.mlp.gate_up_weight, None, gemv)  # [T, 2 I] (I: this rank's share)
         h = _reduce(_row_projection(silu_mul(gate_up), layer.mlp.down_proj, num_parts, gemv), layer.mlp.tp)
     out, _ = rms_norm(h, model.model.norm.weight, eps, residual)
