@@ -78,7 +78,7 @@ def test_the_split_sweep_names_each_count_and_checks_it():
 
 def test_the_decode_sweeps_name_each_keys_per_split_and_check_it():
     """--min-split-keys: each tile (and split count) also at 8 keys per split, where 37 keys take 3 of the 4 splits
-    (the default, 256, gives them one), each row against the reference."""
+    (the default, MIN_SPLIT_KEYS ≥ 37, gives them one), each row against the reference."""
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     timer = kt.graph_timer if DEVICE == "cuda" else kt.eager_timer
     name = "bf16" if dtype == torch.bfloat16 else "fp32"
