@@ -10,16 +10,15 @@ over inputs of its own, and one replay (do_bench flushes L2 before it) is divide
 from DRAM, and a row is what the kernel costs as a node of the engine's graphs: its GPU time plus the gap to the
 next node. The row `empty`, a kernel of one program that does nothing, is that floor.
 
-    python -m bench.kernel_table --out $OUT [--tile-sweep] [--split-sweep] [--min-split-keys 64,128,256,512]
-        [--gemv-sweep] [--w4a16-sweep] [--fp8-gemv-sweep]  # Llama-3.1-8B
+    python -m bench.kernel_table --out $OUT [--tile-sweep] [--split-sweep] [--gemv-sweep] [--w4a16-sweep]
+        [--fp8-gemv-sweep]  # Llama-3.1-8B
     python -m bench.kernel_table --out $OUT --no-table --gemv-sweep --gemv-model qwen3-30b-a3b  # its dense GEMVs
     python -m bench.kernel_table --out $OUT --no-table --moe [--moe-tiles 16,64,64,4,2;...] [--moe-tokens 1,8]
         [--moe-gemv-sweep]  # Qwen3-30B-A3B's MoE
 
 The sweeps time one kernel over its options: the decode kernel by tile at small batches and by split count at large
-ones (each also by keys per split, decode_attention.MIN_SPLIT_KEYS, with --min-split-keys); the model's projections
-on cuBLAS and on kernels/gemv.py by tile and split count (gemv_sweep, whose fastest tiles gemv_tuning turns into that
-module's TUNED table). --moe times the fused MoE layer (kernels/fused_moe.py) on
+ones; the model's projections on cuBLAS and on kernels/gemv.py by tile and split count (gemv_sweep, whose fastest
+tiles gemv_tuning turns into that module's TUNED table). --moe times the fused MoE layer (kernels/fused_moe.py) on
 Qwen3-30B-A3B's expert shapes, by token count and, with --moe-tiles, by tile; --moe-gemv-sweep adds the decode
 path (kernels/moe_gemv.py) by tile and the router at one token.
 """
@@ -190,19 +189,18 @@ class Table:
         self.measure("empty", 0, lambda i: (lambda: _empty_kernel[(1,)](x), lambda: 0.0))
 
     def decode(self, batch: int, context: int, cache_dtype: torch.dtype, tile: tuple | None = None,
-               splits: int | None = None, min_split_keys: int | None = None) -> None:
+               splits: int | None = None) -> None:
         """The engine's decode step: decode_attention_rope (RoPE of the new token's q and k, its k and v written
         into the cache, attention over the `context` keys, split-K with its reduce where the batch is small).
-        tile, splits, min_split_keys: the split kernel's tile, split count and keys per split (where None,
-        decode_attention.default_tile's, num_splits_for's and MIN_SPLIT_KEYS; where given, named in the row's
-        key)."""
+        tile, splits: the split kernel's tile and split count (where None, decode_attention.default_tile's and
+        num_splits_for's; where given, named in the row's key)."""
         from services.gpu_worker.kernels.decode_attention import (decode_attention_ref, decode_attention_rope,
                                                                   num_splits_for, tile_name)
         from services.gpu_worker.kv_cache import v_rows
 
         s = self.s
         name = (f"decode_{self.cache_name(cache_dtype)}_B{batch}_L{context}" + (f"_{tile_name(tile)}" if tile else "")
-                + (f"_{splits}splits" if splits else "") + (f"_{min_split_keys}minkeys" if min_split_keys else ""))
+                + (f"_{splits}splits" if splits else ""))
         splits = splits or num_splits_for(batch, s.kv_heads, self.num_sms)
         per_seq = -(-context // s.page_size)
         esize = cache_dtype.itemsize
@@ -222,7 +220,7 @@ class Table:
 
             def call():
                 decode_attention_rope(q, k, v, positions, inv_freq, k_cache, v_cache, slots, table, lens, splits,
-                                      out=out, tile=tile, min_split_keys=min_split_keys)
+                                      out=out, tile=tile)
 
             def error() -> float:
                 rq, kc, vc = self.reference_write(q, k, v, positions, inv_freq, k_cache, v_cache, slots)
@@ -234,8 +232,7 @@ class Table:
 
         kv_bytes = batch * context * s.kv_heads * s.head_dim * 2 * esize
         qkv_out_bytes = batch * (2 * s.heads + 2 * s.kv_heads) * s.head_dim * self.esize
-        self.measure(name, kv_bytes + qkv_out_bytes, build, splits=splits,
-                     **({"min_split_keys": min_split_keys} if min_split_keys else {}))
+        self.measure(name, kv_bytes + qkv_out_bytes, build, splits=splits)
 
     def extend(self, num_seqs: int, new_tokens: int) -> None:
         """Prefill attention: `new_tokens` causal queries per sequence over its keys, no cached prefix."""
@@ -517,16 +514,14 @@ SWEEP_TILES = {torch.bfloat16: ((16, 2, 2, False, 0, False), (16, 4, 2, False, 0
 
 def tile_sweep(shapes: Shapes = LLAMA3_8B, timer: Timer = graph_timer, max_calls: int = MAX_CALLS,
                copy_tbs: float | None = None, device: str = "cuda", sweep_shapes: tuple = SWEEP_SHAPES,
-               tiles: dict | None = None, dtype: torch.dtype = torch.bfloat16,
-               min_split_keys: tuple = (None,)) -> dict:
-    """The decode rows of `sweep_shapes` with each tile of `tiles` (SWEEP_TILES': cache dtype → tiles) and each
-    keys-per-split of `min_split_keys` (None: decode_attention.MIN_SPLIT_KEYS); dtype: the activations'."""
+               tiles: dict | None = None, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The decode rows of `sweep_shapes` with each tile of `tiles` (SWEEP_TILES': cache dtype → tiles); dtype: the
+    activations'."""
     t = Table(shapes, timer, max_calls, copy_tbs, device, dtype)
     for cache_dtype, dtype_tiles in (tiles or SWEEP_TILES).items():
         for batch, context in sweep_shapes:
             for tile in dtype_tiles:
-                for keys in min_split_keys:
-                    t.decode(batch, context, cache_dtype, tile, min_split_keys=keys)
+                t.decode(batch, context, cache_dtype, tile)
     return t.rows
 
 
@@ -538,16 +533,13 @@ SPLIT_COUNTS = (1, 2, 4)
 
 def split_sweep(shapes: Shapes = LLAMA3_8B, timer: Timer = graph_timer, max_calls: int = MAX_CALLS,
                 copy_tbs: float | None = None, device: str = "cuda", sweep_shapes: tuple = SPLIT_SHAPES,
-                counts: tuple = SPLIT_COUNTS, dtype: torch.dtype = torch.bfloat16,
-                min_split_keys: tuple = (None,)) -> dict:
-    """The decode rows of `sweep_shapes` by split count and keys per split (tile_sweep's min_split_keys), with each
-    cache dtype's default tile."""
+                counts: tuple = SPLIT_COUNTS, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The decode rows of `sweep_shapes` by split count, with each cache dtype's default tile."""
     t = Table(shapes, timer, max_calls, copy_tbs, device, dtype)
     for cache_dtype in (dtype, FP8):
         for batch, context in sweep_shapes:
             for splits in counts:
-                for keys in min_split_keys:
-                    t.decode(batch, context, cache_dtype, splits=splits, min_split_keys=keys)
+                t.decode(batch, context, cache_dtype, splits=splits)
     return t.rows
 
 
@@ -646,10 +638,10 @@ def w4a16_sweep(shapes: Shapes = LLAMA3_8B, timer: Timer = graph_timer, max_call
                 dtype: torch.dtype = torch.bfloat16, group_size: int = 128, tokens: tuple = W4A16_TOKENS,
                 group_tiles: tuple = W4A16_GROUP_TILES) -> dict:
     """Each projection of `shapes` at one token on the INT4 kernel (kernels/w4a16.py): at config_for's tile and at
-    each of `tiles` and of the per-group kernel's `group_tiles` (rows, groups a step, warps) no wider than K, beside the bf16 weights on cuBLAS → {"rows", "best": per projection the fastest
-    tile, its µs and fraction of copy, the default tile's µs and cuBLAS bf16's µs; "tokens": at each of W4A16_TOKENS,
-    the default path as served, the dequantizing dot tile, dequantize-then-cuBLAS and bf16 cuBLAS}: where to set
-    w4a16.DEQUANT_MIN_TOKENS."""
+    each of `tiles` and of the per-group kernel's `group_tiles` (rows, groups a step, warps) no wider than K, beside
+    the bf16 weights on cuBLAS → {"rows", "best": per projection the fastest tile, its µs and fraction of copy, the
+    default tile's µs and cuBLAS bf16's µs; "tokens": at each of W4A16_TOKENS, the default path as served, the
+    dequantizing dot tile, dequantize-then-cuBLAS and bf16 cuBLAS}: where to set w4a16.DEQUANT_MIN_TOKENS."""
     from services.gpu_worker.kernels import w4a16 as w4
 
     t = Table(shapes, timer, max_calls, copy_tbs, device, dtype)
@@ -754,8 +746,6 @@ def main() -> int:
                    "(keys,warps,stages,fp16_dots,max_regs[,asm_unpack] separated by ';') instead of SWEEP_TILES")
     p.add_argument("--split-sweep", action="store_true", help="also the decode kernel by split count at large batches "
                    "(SPLIT_SHAPES x SPLIT_COUNTS), under the key split_sweep")
-    p.add_argument("--min-split-keys", default="", help="--tile-sweep and --split-sweep also by keys per split "
-                   "(comma-separated, e.g. 64,128,256,512) instead of decode_attention.MIN_SPLIT_KEYS alone")
     p.add_argument("--gemv-sweep", action="store_true", help="also the projections on cuBLAS and on the Triton GEMV "
                    "by tile and split count at 1 and 8 tokens (gemv_sweep), under the key gemv_sweep")
     p.add_argument("--gemv-model", choices=("llama3-8b", "qwen3-30b-a3b"), default="llama3-8b",
@@ -790,9 +780,8 @@ def main() -> int:
 
     shapes = tuple(tuple(int(x) for x in shape.split("x")) for shape in args.sweep_shapes.split(",") if shape)
     fp8_tiles = tuple(parse_tile(tile) for tile in args.sweep_fp8_tiles.split(";") if tile)
-    min_split_keys = tuple(int(x) for x in args.min_split_keys.split(",") if x) or (None,)
     sweep = functools.partial(tile_sweep, sweep_shapes=shapes or SWEEP_SHAPES, tiles={FP8: fp8_tiles} if fp8_tiles
-                              else None, min_split_keys=min_split_keys)
+                              else None)
     moe_tiles = tuple(tuple(int(x) for x in tile.split(",")) for tile in args.moe_tiles.split(";") if tile)
     moe_tokens = tuple(int(x) for x in args.moe_tokens.split(",") if x) or None
     moe = functools.partial(moe_rows, tiles=moe_tiles or (None,), tokens=moe_tokens, gemv_sweep=args.moe_gemv_sweep,
@@ -803,8 +792,7 @@ def main() -> int:
     else:
         gemv_sweep_run = gemv_sweep
     parts = (({} if args.no_table else {"rows": table}) | ({"tile_sweep": sweep} if args.tile_sweep else {})
-             | ({"split_sweep": functools.partial(split_sweep, min_split_keys=min_split_keys)} if args.split_sweep
-                else {})
+             | ({"split_sweep": split_sweep} if args.split_sweep else {})
              | ({"gemv_sweep": gemv_sweep_run} if args.gemv_sweep else {})
              | ({"w4a16_sweep": w4a16_sweep} if args.w4a16_sweep else {})
              | ({"fp8_gemv_sweep": fp8_gemv_sweep} if args.fp8_gemv_sweep else {}) | ({"moe": moe} if args.moe else {}))

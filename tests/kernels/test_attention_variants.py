@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from services.gpu_worker.attention.base import LayerAttention
-from services.gpu_worker.kernels import decode_attention as da
 from services.gpu_worker.kernels import paging
 from services.gpu_worker.kernels.decode_attention import decode_attention, decode_attention_ref, decode_attention_rope
 from services.gpu_worker.kernels.extend_attention import extend_attention, extend_attention_ref
@@ -29,13 +28,6 @@ SPECS = {
     "window_of_one": LayerAttention(sliding_window=1),
 }
 TILE16 = (16, 4, 2, False, 0)  # 16-key tiles: a window spans several, and the splits start inside it
-
-
-@pytest.fixture(autouse=True)
-def _a_split_per_key(monkeypatch):
-    """MIN_SPLIT_KEYS = 1: these windows and sequences of up to 131 keys are cut into as many splits as their tiles
-    allow, as before the split count followed the keys (tests/kernels/test_decode_splits.py covers other counts)."""
-    monkeypatch.setattr(da, "MIN_SPLIT_KEYS", 1)
 
 
 def _q(shape, gen) -> torch.Tensor:

@@ -1,11 +1,10 @@
 """Paged decode attention (split-K, GQA) vs its fp32 torch reference; the RoPE + KV-write
-fused variant vs rope_ref, kv_write_ref and that reference; its Qwen3 q/k norms vs rms_norm_heads_ first."""
+fused variant vs rope_ref, kv_write_ref and that reference."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from services.gpu_worker.kernels import decode_attention as da
 from services.gpu_worker.kernels.decode_attention import (
     decode_attention,
     decode_attention_ref,
@@ -13,18 +12,10 @@ from services.gpu_worker.kernels.decode_attention import (
     num_splits_for,
 )
 from services.gpu_worker.kernels.kv_write import kv_write_ref
-from services.gpu_worker.kernels.rms_norm import rms_norm_heads_
 from services.gpu_worker.kernels.rope import rope_ref
 from services.gpu_worker.model.presets import preset
 from services.gpu_worker.model.rope import inv_frequencies
 from tests.kernels.helpers import DEVICE, gpu_only, randn, random_paged_cache, rel_err
-
-
-@pytest.fixture(autouse=True)
-def _a_split_per_key(monkeypatch):
-    """MIN_SPLIT_KEYS = 1: these sequences of up to 130 keys are cut into as many splits as their tiles allow, as
-    before the split count followed the keys (tests/kernels/test_decode_splits.py covers other counts)."""
-    monkeypatch.setattr(da, "MIN_SPLIT_KEYS", 1)
 
 
 def _check(seq_lens, num_heads, num_kv_heads, head_dim, page_size, num_splits, dtype, tol, device=DEVICE):
@@ -125,42 +116,3 @@ def test_decode_rope_same_cache_bits_as_rope_kv_write(num_splits):
     unfused = decode_attention(q2, k2, v2, table, lens, num_splits)
     assert torch.equal(k_cache, k2) and torch.equal(v_cache, v2)
     assert rel_err(out, unfused) < 1e-2
-
-
-def _check_head_norm(seq_lens, num_heads, num_kv_heads, head_dim, page_size, num_splits, dtype):
-    """decode_attention_rope with head_norm against rms_norm_heads_ (q and k normed in memory) then
-    decode_attention_rope without it: the same output and cache, bit for bit; q and k left as they came."""
-    q, k, v, positions, inv_freq, k_cache, v_cache, slots, table, lens = _new_token_step(
-        seq_lens, num_heads, num_kv_heads, head_dim, page_size, dtype, sum(seq_lens) + num_splits)
-    gen = torch.Generator().manual_seed(num_splits)
-    q_weight, k_weight = (randn((head_dim,), gen, dtype, DEVICE) for _ in range(2))
-    normed = torch.cat([q, k, v], dim=1)  # a fused projection's output, normed in place below
-    rms_norm_heads_(normed[:, :num_heads + num_kv_heads], q_weight, k_weight, num_heads, 1e-6)
-    ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
-    ref = decode_attention_rope(normed[:, :num_heads], normed[:, num_heads:num_heads + num_kv_heads],
-                                normed[:, num_heads + num_kv_heads:], positions, inv_freq, ref_k_cache, ref_v_cache,
-                                slots, table, lens, num_splits)
-    q_before, k_before = q.clone(), k.clone()
-    out = torch.full_like(q, float("nan"))
-    decode_attention_rope(q, k, v, positions, inv_freq, k_cache, v_cache, slots, table, lens, num_splits, out=out,
-                          head_norm=(q_weight, k_weight, 1e-6))
-    assert torch.equal(out, ref)
-    assert torch.equal(k_cache, ref_k_cache) and torch.equal(v_cache, ref_v_cache)
-    assert torch.equal(q, q_before) and torch.equal(k, k_before)
-    assert not torch.equal(normed[:, :num_heads], q)  # the norm changes q: the comparison above means something
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32])
-@pytest.mark.parametrize("num_splits", [1, 4])
-def test_decode_rope_head_norm_same_bits_as_rms_norm_heads_first(num_splits, dtype):
-    _check_head_norm([1, 6, 37, 130], 4, 2, 16, 4, num_splits, dtype)
-
-
-@pytest.mark.gpu
-@gpu_only
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("num_splits", [1, 32])
-def test_decode_rope_head_norm_qwen3_moe_shapes(num_splits, dtype):
-    """Qwen3-30B-A3B's heads (32 q, 4 KV, 128 wide): the layouts of rms_norm_heads_ and the decode kernel differ, and
-    the norm's sum of squares gives the same bits in both (rms_norm.sum_squares)."""
-    _check_head_norm([1, 33, 700, 2048], 32, 4, 128, 16, num_splits, dtype)

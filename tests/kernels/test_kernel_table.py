@@ -76,23 +76,6 @@ def test_the_split_sweep_names_each_count_and_checks_it():
         assert row["rel_err"] < (0.1 if "fp8" in key else 0.02) and row["splits"] == int(key[-7]), (key, row)
 
 
-def test_the_decode_sweeps_name_each_keys_per_split_and_check_it():
-    """--min-split-keys: each tile (and split count) also at 8 keys per split, where 37 keys take 3 of the 4 splits
-    (the default, MIN_SPLIT_KEYS ≥ 37, gives them one), each row against the reference."""
-    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
-    timer = kt.graph_timer if DEVICE == "cuda" else kt.eager_timer
-    name = "bf16" if dtype == torch.bfloat16 else "fp32"
-    tiles = kt.tile_sweep(SMALL, timer=timer, max_calls=2, device=DEVICE, sweep_shapes=((1, 37),),
-                          tiles={dtype: ((16, 2, 2, False, 0, False),)}, dtype=dtype, min_split_keys=(None, 8))
-    splits = kt.split_sweep(SMALL, timer=timer, max_calls=2, device=DEVICE, sweep_shapes=((1, 37),), counts=(4,),
-                            dtype=dtype, min_split_keys=(None, 8))
-    assert set(tiles) == {f"decode_{name}_B1_L37_16x2w2s", f"decode_{name}_B1_L37_16x2w2s_8minkeys"}
-    assert set(splits) == {f"decode_{c}_B1_L37_4splits{k}" for c in (name, "fp8") for k in ("", "_8minkeys")}
-    for key, row in (tiles | splits).items():  # FP8: the first test's NOTE
-        assert row["rel_err"] < (0.1 if "fp8" in key else 0.02), (key, row)
-        assert row.get("min_split_keys") == (8 if key.endswith("_8minkeys") else None), (key, row)
-
-
 def test_the_gemv_sweep_checks_each_tile_and_tunes_from_the_fastest():
     """Every projection at 1 and 8 tokens, on cuBLAS and each tile that fits a part, matches the GEMV's reference;
     "best" names the fastest tile; gemv_tuning turns it into kernels/gemv.TUNED entries and a row split count."""

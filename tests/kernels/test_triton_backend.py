@@ -67,34 +67,6 @@ def test_forward_rope_equals_the_reference(new_and_cached, fuse_decode, mixed_to
     assert rel_err(cache.k, ref_cache.k) < 1e-5 and torch.equal(cache.v, ref_cache.v)
 
 
-@pytest.mark.parametrize("fuse_decode,mixed_to_decode", [(True, True), (True, False), (False, False)])
-@pytest.mark.parametrize("new_and_cached", [
-    [(1, 8), (1, 0), (5, 7), (3, 0)],
-    [(1, 20), (1, 3)],
-    [(6, 2), (1, 9)],
-], ids=["mixed", "decode_only", "chunk_first"])
-def test_forward_rope_head_norm_equals_norming_q_and_k_first(new_and_cached, fuse_decode, mixed_to_decode):
-    """Qwen3's q/k norms through forward_rope (in the decode kernel for the leading decodes, rms_norm_qk_ for the
-    other tokens) give the bits of rms_norm_heads_ over the whole step first, then forward_rope without them."""
-    from services.gpu_worker.kernels.rms_norm import rms_norm_heads_
-
-    q, k, v, positions, inv_freq, cache, meta = _step(new_and_cached, seed=2)
-    num_heads, num_kv_heads = q.shape[1], k.shape[1]
-    gen = torch.Generator().manual_seed(3)
-    q_weight, k_weight = (randn((q.shape[2],), gen, torch.float32, DEVICE) for _ in range(2))
-    normed = torch.cat([q, k, v], dim=1)
-    rms_norm_heads_(normed[:, :num_heads + num_kv_heads], q_weight, k_weight, num_heads, 1e-6)
-    ref_cache = KVCache(1, cache.num_pages, PAGE, num_kv_heads, q.shape[2], torch.float32, DEVICE)
-    ref_cache.k.copy_(cache.k)
-    ref_cache.v.copy_(cache.v)
-    backend = TritonAttention(num_sms=4, fuse_decode=fuse_decode, mixed_decodes_to_decode_kernel=mixed_to_decode)
-    ref = backend.forward_rope(0, normed[:, :num_heads], normed[:, num_heads:num_heads + num_kv_heads],
-                               normed[:, num_heads + num_kv_heads:], positions, inv_freq, ref_cache, meta)
-    out = backend.forward_rope(0, q, k, v, positions, inv_freq, cache, meta, head_norm=(q_weight, k_weight, 1e-6))
-    assert torch.equal(out, ref)
-    assert torch.equal(cache.k, ref_cache.k) and torch.equal(cache.v, ref_cache.v)
-
-
 GEMMA_LIKE = {
     "local": LayerAttention(scale=0.3, softcap=1.5, sliding_window=5),  # a window of about one page
     "global": LayerAttention(scale=0.3, softcap=1.5),

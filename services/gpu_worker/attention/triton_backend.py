@@ -8,7 +8,6 @@ from services.gpu_worker.attention.base import DEFAULT_ATTENTION, AttentionBacke
 from services.gpu_worker.kernels.decode_attention import decode_attention, decode_attention_rope, num_splits_for
 from services.gpu_worker.kernels.extend_attention import extend_attention
 from services.gpu_worker.kernels.kv_write import kv_write
-from services.gpu_worker.kernels.rms_norm import rms_norm_qk_
 from services.gpu_worker.kernels.rope_kv_write import rope_kv_write_
 from services.gpu_worker.kv_cache import KVCache
 
@@ -43,16 +42,11 @@ class TritonAttention(AttentionBackend):
 
     def forward_rope(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                      inv_freq: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
-                     spec: LayerAttention = DEFAULT_ATTENTION,
-                     head_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+                     spec: LayerAttention = DEFAULT_ATTENTION) -> torch.Tensor:
         """forward() for un-rotated q and k. The leading sequences with one new token (decodes come first) run
         the split-K decode kernel with RoPE and the KV write inside it, when the step is decode-only or
         mixed_decodes_to_decode_kernel is set; the rest run RoPE + KV write in one kernel (rope_kv_write.py),
         then the extend kernel.
-
-        head_norm: (q_weight, k_weight, eps) of Qwen3's q/k norms, for q and k not yet normed. The decode kernel
-        norms its sequences' q and k in registers; the other tokens' are normed in place (rms_norm_qk_) before
-        rope_kv_write_. The decode rows of q and k are left as they came.
 
         Why send a mixed step's decodes to the decode kernel: the extend kernel runs one query head per
         program, so it reads each decode's KV once per head of its group."""
@@ -63,18 +57,13 @@ class TritonAttention(AttentionBackend):
         elif self.fuse_decode and self.mixed_decodes_to_decode_kernel:
             n = meta.num_leading_single
         if n == 0:
-            if head_norm is not None:
-                rms_norm_qk_(q, k, *head_norm)
             rope_kv_write_(q, k, v, positions, inv_freq, k_cache, v_cache, meta.slot_mapping)
             return self._attend(q, k_cache, v_cache, meta, spec)
         out = torch.empty_like(q)
         num_splits = num_splits_for(n, k_cache.shape[2], self.num_sms)
         decode_attention_rope(q[:n], k[:n], v[:n], positions[:n], inv_freq, k_cache, v_cache, meta.slot_mapping[:n],
-                              meta.page_table[:n], meta.seq_lens[:n], num_splits, out=out[:n], spec=spec,
-                              head_norm=head_norm)
-        if n < meta.num_seqs:  # the sequences' first n tokens were the decodes'
-            if head_norm is not None:
-                rms_norm_qk_(q[n:], k[n:], *head_norm)
+                              meta.page_table[:n], meta.seq_lens[:n], num_splits, out=out[:n], spec=spec)
+        if n < meta.num_seqs:
             rope_kv_write_(q[n:], k[n:], v[n:], positions[n:], inv_freq, k_cache, v_cache, meta.slot_mapping[n:])
             extend_attention(q, k_cache, v_cache, meta.query_start[n:], meta.seq_lens[n:], meta.page_table[n:],
                              meta.max_query_len, out=out, spec=spec)

@@ -1,40 +1,19 @@
 """Paged decode attention (one new query token per sequence), GQA-aware and split-K (flash-decoding).
 
 Grid (B, KVH, NUM_SPLITS): one program holds all GROUP = H / KVH query heads of one KV head, so each K/V
-tile is read once for the whole group. NUM_SPLITS is fixed by the launch (a CUDA graph's split count follows the
-batch size alone); how many of them a sequence uses is decided on the device from seq_lens (split_plan): one per
-MIN_SPLIT_KEYS keys, up to NUM_SPLITS, each a chunk of whole tiles. A program whose split holds no key of its
-sequence returns before loading anything. A second kernel merges the used splits' partial outputs by their
-log-sum-exp, reading no row of the others; where a sequence uses one split, that split writes the output itself
-and the reduce's programs for the sequence read its seq_len alone. (The reduce is still launched: whether a
-sequence uses one split is known on the device only.)
-
-NOTE: measured on the H100 (Qwen3-30B-A3B's heads as above, 48 layers in a CUDA graph), this costs time rather than
-saving it: the split and reduce kernels took 8.5 µs a layer at batch 1 × 640 keys and 12.3 at 4096 against 7.8 and
-11.2 before split_plan (same run), 12.6 against 12.0 at 8 × 640 keys; at 64 keys 6.3 against 6.6 in that run, 7.0
-against 6.6 in another. The idle programs cost little,
-since they run beside the used ones; where the difference goes has not been broken down (the plan's integer divisions
-and the early return precede every program's work, and the reduce loads seq_len before its partials).
+tile is read once for the whole group. A sequence's keys [0, seq_len) are cut into NUM_SPLITS chunks at run
+time (from seq_lens on the device), which keeps the grid fixed for a CUDA graph; a second kernel merges the
+chunks' partial outputs by their log-sum-exp. With NUM_SPLITS == 1 the first kernel writes the output itself.
 
 decode_attention_rope() also does what rope_kv_write_ does, for a decode step: it reads the step's un-rotated
 q and k, rotates them in registers, attends to the cached keys [0, seq_len - 1) plus the new token held in
 registers, and the split that owns position seq_len - 1 writes the rotated k and v into their cache slot.
-That is one launch fewer per layer. With head_norm (Qwen3's q/k norms) it norms each q head and the new k before
-rotating them, to the bits rms_norm_heads_ would leave in memory (rms_norm.py's helpers, whose sum of squares does
-not depend on the kernel's layout): one more launch fewer per layer.
-
-NOTE: on the H100 the fused norm cost more than the launch it saves: 9.2, 10.4 and 14.0 µs a layer at batch 1 × 64,
-640 and 4096 keys and 14.7 at 8 × 640, against 7.9, 9.5, 12.8 and 13.7 for rms_norm_heads_ then the kernel before
-split_plan (same run). Most of it is the fixed order of the sum of squares: with tl.sum instead, 8.2, 9.6, 13.4 and
-13.8 (an int64 fixed-point sum, also independent of the order, measured as the fixed tree), but tl.sum's order follows
-the layout, which differs between the two kernels: fp32 outputs differed from rms_norm_heads_ + this kernel in 6 of 6
-trials at Qwen3's shapes (bf16 ones matched in 6 of 6).
+That is one launch fewer per layer.
 
 A layer's LayerAttention (attention/base.py: Gemma 2) picks other variants at compile time: SOFTCAP (logits →
 SOFTCAP · tanh(logits / SOFTCAP) before the softmax) and WINDOW (the query at seq_len - 1 sees keys
 [seq_len - WINDOW, seq_len) only). With a window the splits cut the window's keys instead of [0, seq_len), so tiles
-before it are never read, and a sequence's split count follows the window's keys. Both 0 (the default) compile to
-the kernel without them.
+before it are never read. Both 0 (the default) compile to the kernel without them.
 
 NOTE: merging the splits in the same kernel (the last program to finish, found by an atomic ticket, merging its
 head group) was measured slower than the separate reduce kernel: 1.34× the layer's attention at batch 1, 1.21× at
@@ -52,18 +31,10 @@ import triton.language as tl
 
 from services.gpu_worker.attention.base import DEFAULT_ATTENTION, LayerAttention
 from services.gpu_worker.kernels import paging, v_pairs
-from services.gpu_worker.kernels.rms_norm import head_rstd, head_scale
 from services.gpu_worker.kv_cache import FP8_DTYPES, is_v_pairs
 
 BLOCK_N = 64
 MAX_SPLITS = 32
-# A sequence takes one split per MIN_SPLIT_KEYS keys, up to the launch's split count (split_plan); bench/kernel_table.py
-# --min-split-keys sweeps it. The first choice, 256, was slower than shorter splits at every context measured on the
-# H100 (Qwen3-30B-A3B's 32 q / 4 KV heads, bf16, q/k norms fused, 48 layers in a graph; µs a layer at 64 / 128 / 256
-# keys a split): batch 1 (32 splits) at 640 keys 10.3 / 11.9 / 14.8, at 1024 10.6 / 12.0 / 14.9, at 4096
-# 13.9 / 13.9 / 16.1; 8 × 640 keys (16 splits) 14.7 / 15.0 / 16.7. At one tile of TILE (64 keys) a sequence is cut as
-# before split_plan: only the early return of splits past its keys and the skipped merge of one split remain.
-MIN_SPLIT_KEYS = 64
 # (keys per tile, warps, pipeline stages, fp16 dots, register cap or 0, assembly unpacking) of the split kernel, by
 # cache dtype; `tile=` overrides (bench/kernel_table.py --tile-sweep). fp16 dots: q, the widened K/V tiles and p go
 # into the tensor cores as fp16 instead of q's dtype. e4m3 widens to fp16 exactly, one instruction per pair (to bf16
@@ -122,47 +93,13 @@ def tile_name(tile: tuple) -> str:
 
 
 @triton.jit
-def _rotate_row(x_ptrs, partner_ptrs, cos, sin, is_first_half, mask, w_ptrs, w_partner_ptrs, eps,
-                HEAD_NORM: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """RoPE (rotate-half) of rows [ROWS, D] loaded whole: x1·cos − x2·sin | x2·cos + x1·sin, fp32. With HEAD_NORM
-    each row is first RMS-normed with the weight at w_ptrs (w_partner_ptrs: its partner's), rounded to the row's
-    dtype, as rms_norm_heads_ leaves it in memory (the same helpers, so the same bits).
+def _rotate_row(x_ptrs, partner_ptrs, cos, sin, is_first_half, mask):
+    """RoPE (rotate-half) of rows of D loaded whole: x1·cos − x2·sin | x2·cos + x1·sin, fp32.
 
     NOTE: written as rope._rotate's two expressions (selected, not merged) so the rounding is the same."""
-    x = tl.load(x_ptrs, mask=mask, other=0.0)
-    xp = tl.load(partner_ptrs, mask=mask, other=0.0)
-    if HEAD_NORM:  # the partner is an element of the same row: the row's rstd, the weight at the partner's index
-        rstd = head_rstd(x.to(tl.float32), HEAD_DIM, eps, ROWS, HEAD_DIM)[:, None]
-        x = head_scale(x, rstd, tl.load(w_ptrs))
-        xp = head_scale(xp, rstd, tl.load(w_partner_ptrs))
-    x = x.to(tl.float32)
-    xp = xp.to(tl.float32)
+    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(partner_ptrs, mask=mask, other=0.0).to(tl.float32)
     return tl.where(is_first_half, x * cos - xp * sin, x * cos + xp * sin)
-
-
-@triton.jit
-def split_plan(seq_len, NUM_SPLITS: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr, BLOCK_N: tl.constexpr,
-               WINDOW: tl.constexpr, V_PAIRS: tl.constexpr):
-    """How a sequence of seq_len (≥ 1) keys is cut → (lo, base, chunk, used): the splits cut [base, seq_len) into
-    chunks of `chunk` keys (whole tiles), split i from base + i·chunk; splits ≥ used hold no key.
-
-    Without a window base = lo = 0. With one, lo is the window's first key and base = lo, or lo - 1 where lo is odd
-    and V is in pairs (the splits start at even keys: v_pairs.load_pairs). A sequence takes
-    min(NUM_SPLITS, cdiv(keys, MIN_SPLIT_KEYS)) splits of its keys = seq_len - base, cut in whole tiles, and `used`
-    counts those that hold a key after the rounding (fewer where the tiles are long against the chunk). The split and
-    reduce kernels both call this, so they agree on `used`."""
-    lo = seq_len * 0
-    base = lo
-    if WINDOW:
-        lo = tl.maximum(seq_len - WINDOW, 0)
-        if V_PAIRS:
-            base = lo - lo % 2
-        else:
-            base = lo
-    keys = seq_len - base
-    want = tl.minimum(tl.cdiv(keys, MIN_SPLIT_KEYS), NUM_SPLITS)
-    chunk = tl.cdiv(tl.cdiv(keys, want), BLOCK_N) * BLOCK_N
-    return lo, base, chunk, tl.cdiv(keys, chunk)
 
 
 def spec_args(spec: LayerAttention, head_dim: int) -> tuple[float, dict]:
@@ -199,12 +136,11 @@ def attend_one(q, k_row, v_row, qk_scale, valid, m_i, l_i, acc, P_DTYPE: tl.cons
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, vw_ptr, table_ptr, seq_lens_ptr, out_ptr, part_ptr, lse_ptr,
-                   kn_ptr, vn_ptr, pos_ptr, inv_freq_ptr, slot_ptr, qw_ptr, kw_ptr,
-                   sm_scale, eps, stride_qb, stride_qh, stride_cs, stride_ch, stride_tb, stride_ob, stride_oh,
+                   kn_ptr, vn_ptr, pos_ptr, inv_freq_ptr, slot_ptr,
+                   sm_scale, stride_qb, stride_qh, stride_cs, stride_ch, stride_tb, stride_ob, stride_oh,
                    stride_knb, stride_knh, stride_vnb, stride_vnh,
                    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr,
-                   NEW_TOKEN: tl.constexpr, HEAD_NORM: tl.constexpr,
+                   BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, NEW_TOKEN: tl.constexpr,
                    F16_DOT: tl.constexpr, V_PAIRS: tl.constexpr, V_ASM: tl.constexpr, OFF64: tl.constexpr,
                    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr):
     b = tl.program_id(0)
@@ -212,11 +148,16 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, vw_ptr, table_ptr, seq_lens_ptr, o
     split = tl.program_id(2)
     num_kv_heads = tl.num_programs(1)
     seq_len = tl.load(seq_lens_ptr + b)
-    lo, base, chunk, used = split_plan(seq_len, NUM_SPLITS, MIN_SPLIT_KEYS, BLOCK_N, WINDOW, V_PAIRS)
-    if NUM_SPLITS > 1:
-        if split >= used:  # no key of the sequence: nothing to load or store (the reduce reads splits < used)
-            return
-    start = base + split * chunk
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    if WINDOW:  # the splits cut [lo, seq_len) (from lo - 1 for an odd lo with V in pairs: an even start)
+        lo = tl.maximum(seq_len - WINDOW, 0)  # the window's first key
+        if V_PAIRS:
+            base = lo - lo % 2
+        else:
+            base = lo
+        chunk = tl.cdiv(tl.cdiv(seq_len - base, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = base + split * chunk
     end = tl.minimum(start + chunk, seq_len)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -229,16 +170,13 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, vw_ptr, table_ptr, seq_lens_ptr, o
         partner = (offs_d + HALF) % HEAD_DIM
         is_first_half = offs_d < HALF
         freqs = tl.load(pos_ptr + b).to(tl.float32) * tl.load(inv_freq_ptr + offs_d % HALF)
-        cos, sin = tl.cos(freqs)[None, :], tl.sin(freqs)[None, :]  # [1, D]: the angles of rope._cos_sin, per half
-        q = _rotate_row(q_rows + offs_d[None, :], q_rows + partner[None, :], cos, sin, is_first_half[None, :],
-                        h_mask[:, None], qw_ptr + offs_d, qw_ptr + partner, eps, HEAD_NORM, BLOCK_H,
-                        HEAD_DIM).to(q_ptr.dtype.element_ty)  # [BLOCK_H, D]
+        cos, sin = tl.cos(freqs), tl.sin(freqs)  # [D]: the angles of rope._cos_sin, per half
+        q = _rotate_row(q_rows + offs_d[None, :], q_rows + partner[None, :], cos[None, :], sin[None, :],
+                        is_first_half[None, :], h_mask[:, None]).to(q_ptr.dtype.element_ty)  # [BLOCK_H, D]
         kn_row = kn_ptr + b * stride_knb + kvh * stride_knh
-        k_new = _rotate_row(kn_row + offs_d[None, :], kn_row + partner[None, :], cos, sin, is_first_half[None, :],
-                            offs_d[None, :] < HEAD_DIM, kw_ptr + offs_d, kw_ptr + partner, eps, HEAD_NORM, 1,
-                            HEAD_DIM)
         # rounded to k's dtype, then the cache's, as rope_kv_write_ stores it
-        k_new = tl.reshape(k_new, [HEAD_DIM]).to(kn_ptr.dtype.element_ty).to(k_ptr.dtype.element_ty)  # [D]
+        k_new = _rotate_row(kn_row + offs_d, kn_row + partner, cos, sin, is_first_half, offs_d < HEAD_DIM)
+        k_new = k_new.to(kn_ptr.dtype.element_ty).to(k_ptr.dtype.element_ty)  # [D]
         v_new = tl.load(vn_ptr + b * stride_vnb + kvh * stride_vnh + offs_d).to(v_ptr.dtype.element_ty)  # [D]
         cache_end = seq_len - 1  # the new token's K/V come from registers, not the cache
     else:
@@ -295,65 +233,47 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, vw_ptr, table_ptr, seq_lens_ptr, o
         m_i, l_i, acc = attend_one(q, k_last, v_last, qk_scale, has_last, m_i, l_i, acc, dot_dtype, SOFTCAP)
     if NEW_TOKEN:
         last = seq_len - 1
-        # exactly one split of the sequence holds position seq_len - 1: the splits < used cut [base, seq_len) and
-        # base ≤ seq_len - 1; split used - 1 holds it, as the last that starts before seq_len
-        owns = (start <= last) & (last < end)
+        owns = (start <= last) & (last < end)  # exactly one split of the sequence holds position seq_len - 1
         m_i, l_i, acc = attend_one(q, k_new, v_new, qk_scale, owns, m_i, l_i, acc, dot_dtype, SOFTCAP)
         new_slot = tl.load(slot_ptr + b).to(tl.int64)
         write = tl.where(owns, offs_d < HEAD_DIM, False)  # NOTE: not `tensor & scalar` (the interpreter's mask dtype)
         tl.store(k_ptr + new_slot * stride_cs + kvh * stride_ch + offs_d, k_new, mask=write)
         tl.store(v_ptr + v_pairs.v_offset(new_slot, kvh * stride_ch + offs_d, stride_cs, V_PAIRS), v_new, mask=write)
-    if NUM_SPLITS > 1:
-        if used > 1:  # partials for the reduce; a sequence of one used split writes its output below, as NUM_SPLITS 1
-            is_empty = l_i == 0.0
-            part = acc / tl.where(is_empty, 1.0, l_i)[:, None]
-            lse = tl.where(is_empty, float("-inf"), m_i + tl.log2(tl.where(is_empty, 1.0, l_i)))
-            row = (b * GROUP * num_kv_heads + heads) * NUM_SPLITS + split  # [BLOCK_H] in [B, H, S]
-            tl.store(part_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], part, mask=h_mask[:, None])
-            tl.store(lse_ptr + row, lse, mask=h_mask)
-            return
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+    if NUM_SPLITS == 1:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+    else:
+        is_empty = l_i == 0.0
+        part = acc / tl.where(is_empty, 1.0, l_i)[:, None]
+        lse = tl.where(is_empty, float("-inf"), m_i + tl.log2(tl.where(is_empty, 1.0, l_i)))
+        row = (b * GROUP * num_kv_heads + heads) * NUM_SPLITS + split  # [BLOCK_H] in [B, H, S]
+        tl.store(part_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], part, mask=h_mask[:, None])
+        tl.store(lse_ptr + row, lse, mask=h_mask)
 
 
 @triton.jit
-def _decode_reduce_kernel(part_ptr, lse_ptr, out_ptr, seq_lens_ptr, stride_ob, stride_oh, num_heads,
-                          HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr,
-                          BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, V_PAIRS: tl.constexpr):
+def _decode_reduce_kernel(part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, num_heads,
+                          HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    _, _, _, used = split_plan(tl.load(seq_lens_ptr + b), NUM_SPLITS, MIN_SPLIT_KEYS, BLOCK_N, WINDOW, V_PAIRS)
-    if used == 1:  # the split kernel wrote this sequence's output
-        return
     offs_s = tl.arange(0, NUM_SPLITS)
     offs_d = tl.arange(0, HEAD_DIM)
-    live = offs_s < used  # the splits past `used` wrote nothing: their rows hold an earlier launch's values
     row = (b * num_heads + h) * NUM_SPLITS + offs_s  # [S]
-    lse = tl.load(lse_ptr + row, mask=live, other=float("-inf"))
+    lse = tl.load(lse_ptr + row)
     weight = tl.exp2(lse - tl.max(lse, axis=0))  # empty splits: exp2(-inf) = 0
-    part = tl.load(part_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=live[:, None], other=0.0)  # [S, D]
+    part = tl.load(part_ptr + row[:, None] * HEAD_DIM + offs_d[None, :])  # [S, D]
     out = tl.sum(part * weight[:, None], axis=0) / tl.sum(weight, axis=0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
 def num_splits_for(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
-    """Enough splits for about two programs per multiprocessor; a power of two in [1, MAX_SPLITS]. The most a
-    sequence may take: one of few keys takes fewer (split_plan, MIN_SPLIT_KEYS)."""
+    """Enough splits for about two programs per multiprocessor; a power of two in [1, MAX_SPLITS]."""
     want = max(1, -(-2 * num_sms // max(1, num_seqs * num_kv_heads)))
     return min(MAX_SPLITS, 1 << (want - 1).bit_length())
 
 
-def partials(num_seqs: int, num_heads: int, num_splits: int, head_dim: int,
-             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The split kernel's outputs for the reduce, uninitialised: (part [B, H, S, D], lse [B, H, S]) fp32. A split a
-    sequence does not use leaves its rows as they were."""
-    return (torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=device),
-            torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=device))
-
-
-def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_token, head_norm, tile, pairs, spec,
-            min_split_keys):
+def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_token, tile, pairs, spec):
     num_seqs, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -362,48 +282,45 @@ def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_toke
         return out
     assert q.stride(2) == 1 and k_cache.is_contiguous() and v_cache.stride() == k_cache.stride()
     assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
-    min_split_keys = MIN_SPLIT_KEYS if min_split_keys is None else min_split_keys
-    assert min_split_keys >= 1
-    part, lse = partials(num_seqs, num_heads, num_splits, head_dim, q.device) if num_splits > 1 else (out, out)
+    if num_splits > 1:
+        part = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part = lse = out
     k_new, v_new, positions, inv_freq, slots = new_token or (q, q, q, q, q)
-    q_weight, k_weight, eps = head_norm or (q, q, 0.0)
     block_n, num_warps, num_stages, f16_dot, max_regs, asm = full_tile(
         tile or default_tile(k_cache.dtype, num_seqs, num_kv_heads, num_splits))
     pairs = is_v_pairs(v_cache.dtype) if pairs is None else pairs
     assert not pairs or (v_cache.dtype in FP8_DTYPES and page_size % 2 == 0)
     asm = asm and pairs and f16_dot and not _INTERPRET
     sm_scale, spec_constexprs = spec_args(spec, head_dim)
-    plan = {"NUM_SPLITS": num_splits, "MIN_SPLIT_KEYS": min_split_keys, "BLOCK_N": block_n,
-            "WINDOW": spec_constexprs["WINDOW"], "V_PAIRS": pairs}  # the reduce's split_plan must be the split kernel's
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, v_cache.view(torch.int16) if pairs else v_cache, page_table, seq_lens, out, part, lse,
-        k_new, v_new, positions, inv_freq, slots, q_weight, k_weight, sm_scale, eps,
+        k_new, v_new, positions, inv_freq, slots, sm_scale,
         q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
         out.stride(0), out.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-        NEW_TOKEN=new_token is not None, HEAD_NORM=head_norm is not None, F16_DOT=f16_dot, V_ASM=asm,
-        OFF64=paging.needs_off64(k_cache), SOFTCAP=spec_constexprs["SOFTCAP"], **plan, num_warps=num_warps,
-        num_stages=num_stages, **({"maxnreg": max_regs} if max_regs else {}))
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, NEW_TOKEN=new_token is not None, F16_DOT=f16_dot, V_PAIRS=pairs,
+        V_ASM=asm, OFF64=paging.needs_off64(k_cache), **spec_constexprs, num_warps=num_warps, num_stages=num_stages,
+        **({"maxnreg": max_regs} if max_regs else {}))
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            part, lse, out, seq_lens, out.stride(0), out.stride(1), num_heads, HEAD_DIM=head_dim, **plan)
+            part, lse, out, out.stride(0), out.stride(1), num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits)
     return out
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                      seq_lens: torch.Tensor, num_splits: int, out: torch.Tensor | None = None,
                      tile: tuple | None = None, v_pairs: bool | None = None,
-                     spec: LayerAttention = DEFAULT_ATTENTION, min_split_keys: int | None = None) -> torch.Tensor:
+                     spec: LayerAttention = DEFAULT_ATTENTION) -> torch.Tensor:
     """q: [B, H, D]; k_cache, v_cache: [P, S, KVH, D]; page_table: [B, max_pages] int32; seq_lens: [B] (≥ 1).
 
-    Returns out [B, H, D]: softmax(q·Kᵀ/√D)·V over each sequence's keys [0, seq_len). num_splits: the most splits a
-    sequence takes; it takes one per min_split_keys keys (None: MIN_SPLIT_KEYS) up to that. tile: (keys per tile,
+    Returns out [B, H, D]: softmax(q·Kᵀ/√D)·V over each sequence's keys [0, seq_len). tile: (keys per tile,
     warps, stages, fp16 dots, register cap or 0[, asm unpack]) of the split kernel; None: default_tile's.
     v_pairs: whether v_cache holds its keys in pairs (v_pairs.py); None: kv_cache.is_v_pairs.
     spec: the layer's scale (instead of 1/√D), soft-cap and sliding window (keys [seq_len - window, seq_len)).
     """
-    return _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, None, None, tile, v_pairs, spec,
-                   min_split_keys)
+    return _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, None, tile, v_pairs, spec)
 
 
 def decode_attention_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -411,21 +328,17 @@ def decode_attention_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos
                           slot_mapping: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
                           num_splits: int, out: torch.Tensor | None = None,
                           tile: tuple | None = None, v_pairs: bool | None = None,
-                          spec: LayerAttention = DEFAULT_ATTENTION,
-                          head_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-                          min_split_keys: int | None = None) -> torch.Tensor:
+                          spec: LayerAttention = DEFAULT_ATTENTION) -> torch.Tensor:
     """rope_kv_write_ then decode_attention in one kernel, for a decode step (the new token of sequence b sits
     at position positions[b] = seq_lens[b] - 1, slot slot_mapping[b]).
 
     q: [B, H, D], k, v: [B, KVH, D] un-rotated (read, not changed); inv_freq: [D/2] fp32. Writes the rotated k
     and v into the caches and returns out [B, H, D]. q is not rotated in place (rope_kv_write_ does that).
-    head_norm: (q_weight [D], k_weight [D], eps) of Qwen3's q/k norms, applied to q and k before RoPE exactly as
-    rms_norm_heads_ would leave them (q and k stay un-normed in memory); None: q and k are rotated as they are.
-    tile, v_pairs, spec, min_split_keys: as decode_attention's.
+    tile, v_pairs, spec: as decode_attention's.
     """
     assert k.stride(2) == 1 and v.stride(2) == 1 and inv_freq.dtype == torch.float32
     return _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out,
-                   (k, v, positions, inv_freq, slot_mapping), head_norm, tile, v_pairs, spec, min_split_keys)
+                   (k, v, positions, inv_freq, slot_mapping), tile, v_pairs, spec)
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,

@@ -203,15 +203,12 @@ def _attention(attn: nn.Module, x: torch.Tensor, positions: torch.Tensor, inv_fr
     q = qkv[:, :num_heads]  # [T, H, D] views
     k = qkv[:, num_heads: num_heads + num_kv_heads]  # [T, KVH, D]
     v = qkv[:, num_heads + num_kv_heads:]  # [T, KVH, D]
-    # Qwen3's q/k norms: (q weight, k weight, eps)
-    head_norm = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if hasattr(attn, "q_norm") else None
+    if hasattr(attn, "q_norm"):  # Qwen3: q and k normed in place, one launch
+        rms_norm_heads_(qkv[:, :num_heads + num_kv_heads], attn.q_norm.weight, attn.k_norm.weight, num_heads,
+                        attn.q_norm.eps)
     if hasattr(backend, "forward_rope"):  # the Triton backend: RoPE inside the KV write (decode: the attention)
-        # q/k norms too: inside the decode kernel for the decodes, one launch for the other tokens
-        out = backend.forward_rope(attn.layer, q, k, v, positions, inv_freq, cache, meta, attn.spec,
-                                   head_norm=head_norm)  # [T, H, D]
+        out = backend.forward_rope(attn.layer, q, k, v, positions, inv_freq, cache, meta, attn.spec)  # [T, H, D]
     else:
-        if head_norm is not None:  # q and k normed in place, one launch
-            rms_norm_heads_(qkv[:, :num_heads + num_kv_heads], head_norm[0], head_norm[1], num_heads, head_norm[2])
         rope_(q, k, positions, inv_freq)
         out = backend.forward(attn.layer, q, k, v, cache, meta, attn.spec)  # [T, H, D]
     out = _row_projection(out.reshape(num_tokens, num_heads * head_dim), attn.o_proj, num_parts, gemv)
