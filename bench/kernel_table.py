@@ -753,6 +753,8 @@ def main() -> int:
                    "Qwen3-30B-A3B's dense ones (q/k/v, o, LM head) at one token, whole rows, over gemv_tiles_narrow")
     p.add_argument("--w4a16-sweep", action="store_true", help="also the projections at one token on the INT4 "
                    "kernel by tile (w4a16_sweep), under the key w4a16_sweep")
+    p.add_argument("--w4a16-tokens", default="", help="--w4a16-sweep's multi-token rows at these counts "
+                   "(comma-separated; 0: none) instead of W4A16_TOKENS")
     p.add_argument("--fp8-gemv-sweep", action="store_true", help="also the projections at one token with e4m3 weights "
                    "on the Triton GEMV by tile (fp8_gemv_sweep), under the key fp8_gemv_sweep")
     p.add_argument("--moe", action="store_true", help="also the fused MoE layer on Qwen3-30B-A3B's expert shapes "
@@ -786,6 +788,8 @@ def main() -> int:
     moe_tokens = tuple(int(x) for x in args.moe_tokens.split(",") if x) or None
     moe = functools.partial(moe_rows, tiles=moe_tiles or (None,), tokens=moe_tokens, gemv_sweep=args.moe_gemv_sweep,
                             torch_align=args.moe_torch_align)
+    w4a16_tokens = tuple(int(x) for x in args.w4a16_tokens.split(",") if x and int(x) > 0)
+    w4a16_run = functools.partial(w4a16_sweep, tokens=w4a16_tokens) if args.w4a16_tokens else w4a16_sweep
     if args.gemv_model == "qwen3-30b-a3b":
         gemv_sweep_run = functools.partial(gemv_sweep, QWEN3_30B_A3B_DENSE, tokens=(1,), tiles=gemv_tiles_narrow,
                                            max_parts=1)
@@ -794,7 +798,7 @@ def main() -> int:
     parts = (({} if args.no_table else {"rows": table}) | ({"tile_sweep": sweep} if args.tile_sweep else {})
              | ({"split_sweep": split_sweep} if args.split_sweep else {})
              | ({"gemv_sweep": gemv_sweep_run} if args.gemv_sweep else {})
-             | ({"w4a16_sweep": w4a16_sweep} if args.w4a16_sweep else {})
+             | ({"w4a16_sweep": w4a16_run} if args.w4a16_sweep else {})
              | ({"fp8_gemv_sweep": fp8_gemv_sweep} if args.fp8_gemv_sweep else {}) | ({"moe": moe} if args.moe else {}))
     for key, run in parts.items():
         record[key] = run(copy_tbs=copy_tbs)
