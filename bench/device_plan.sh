@@ -17,9 +17,9 @@
 # p: the MoE model's steps (with the kernel sort and the all-experts down pass); its dense GEMVs (q/k/v, o, LM head)
 #    by tile, for kernels/gemv.TUNED; the served W1 (1000 requests on an H200, 400 on 80 GB, whose KV pool holds ~72
 #    such sequences); the MoE GEMV's tiles at 1-4 tokens; the expert sort against torch's at 64-2,048 tokens (issue 27).
-# r: the MoE and INT4 kernels' GPU tests; the MoE model's steps (norm_router, align_chunked in two launches); the
-#    router's top-k by warps; the INT4 one-token kernels by tile (the per-group kernel beside the current one); the
-#    MoE served W0 (issues 27, 25).
+# r: the MoE model's steps (norm_router, align_chunked in two launches); the INT4 one-token kernels by tile (the
+#    per-group kernel beside the current one); the router's and INT4 kernels' GPU tests; the router's top-k by warps;
+#    the MoE served W0 (issues 27, 25).
 # o: after plan m's tiles became the defaults: the MoE GPU tests, the model's steps, the grouped GEMM by tile from 32
 #    to 8,192 tokens (batched decode and prefill), the served W0 (issue 27).
 set -u
@@ -73,10 +73,10 @@ case "$plan" in
         ;;
     r)
         bash bench/device_steps.sh "${PLAN_BUDGET_S:-560}" \
-            "gputest|120|python -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_moe_routing.py tests/kernels/test_fused_moe.py tests/kernels/test_moe_gemv.py tests/kernels/test_w4a16.py" \
             "moe|70|python -m bench.model_speed --presets qwen3-30b-a3b --out $S/ms_moe" \
+            "w4|150|python -m bench.kernel_table --out $S/kt_w4 --no-table --w4a16-sweep --w4a16-tokens 0" \
+            "gputest|90|python -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_moe_routing.py tests/kernels/test_w4a16.py" \
             "moert|40|python -m bench.kernel_table --out $S/kt_route --no-table --moe --moe-tokens 1 --moe-gemv-sweep" \
-            "w4|170|python -m bench.kernel_table --out $S/kt_w4 --no-table --w4a16-sweep --w4a16-tokens 0" \
             "servemoe|150|SUITE_TIMEOUT_S=145 bash bench/served_gpu.sh moe w0 --serve-args '--model random:qwen3-30b-a3b --device cuda'"
         ;;
     c)
