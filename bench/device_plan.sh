@@ -74,8 +74,8 @@ case "$plan" in
     r)
         bash bench/device_steps.sh "${PLAN_BUDGET_S:-560}" \
             "moe|70|python -m bench.model_speed --presets qwen3-30b-a3b --out $S/ms_moe" \
+            "gputest|60|python -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_moe_routing.py tests/kernels/test_w4a16.py" \
             "w4|150|python -m bench.kernel_table --out $S/kt_w4 --no-table --w4a16-sweep --w4a16-tokens 0" \
-            "gputest|90|python -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_moe_routing.py tests/kernels/test_w4a16.py" \
             "moert|40|python -m bench.kernel_table --out $S/kt_route --no-table --moe --moe-tokens 1 --moe-gemv-sweep" \
             "servemoe|150|SUITE_TIMEOUT_S=145 bash bench/served_gpu.sh moe w0 --serve-args '--model random:qwen3-30b-a3b --device cuda'"
         ;;
