@@ -52,7 +52,7 @@ def test_norm_router_equals_rms_norm_then_the_router(num_tokens, hidden, num_exp
     ("chunked", 64, 128, 8, 16, None),  # 512: two full chunks
     ("chunked", 300, 16, 4, 16, 4),  # 1,200 pairs over 4 of 16 experts: long runs that cross chunks
     ("chunked", 129, 6, 2, 64, None), ("chunked", 257, 8, 1, 16, None),
-    ("chunked", 600, 128, 8, 64, 24)])  # 4,800 pairs: 19 chunks, more than one block of 16 of their counts
+    ("chunked", 600, 128, 8, 64, 24)])  # 4,800 pairs: 19 chunks
 def test_the_kernel_sorts_equal_align_by_expert(align, num_tokens, num_experts, top_k, block_m, hit):
     """align_small and align_chunked: each expert's pairs in pair order (across chunk boundaries), the padding and
     the block map as the torch sort's."""

@@ -15,13 +15,11 @@ the top-k combine, with no host sync (so it runs under CUDA graph capture).
     moe_gemv          decode steps of at most GEMV_MAX_TOKENS tokens skip all of the above: kernels/moe_gemv.py runs
                       each pair as a matrix-vector product and folds the combine into the down pass (two launches).
 
-    align_chunked     align_by_expert's result for more pairs (batched decode, prefill) in two launches instead of
-                      a dozen torch ops around a radix sort: each chunk of CHUNK pairs counts its experts and fills
-                      its share of the padding; then each chunk reads every chunk's counts, finds its own first row
-                      per expert (the expert's padded start plus the earlier chunks' counts), places its pairs (rank
-                      within the chunk by a CHUNK × CHUNK comparison) and maps its share of the blocks to experts.
-                      NOTE: these sums were one program's work in a launch between the two (three launches), which
-                      on an H100 took 33 µs of each layer of a 64-token step: a grid of one on the critical path.
+    align_chunked     align_by_expert's result for more pairs (batched decode, prefill) in three launches instead of
+                      a dozen torch ops around a radix sort: each chunk of CHUNK pairs counts its experts; one
+                      program turns the chunks' counts into each chunk's first row per expert (the expert's padded
+                      start plus the earlier chunks' counts), fills the padding and maps blocks to experts; each
+                      chunk then places its pairs (rank within the chunk by a CHUNK × CHUNK comparison).
 
     align_small       align_by_expert's result for T·k ≤ SMALL_PAIRS (decode steps) in one program instead of
                       about a dozen torch ops: the per-expert counts, the padded offsets (a cumulative sum over E),
@@ -146,16 +144,11 @@ def align_small(top_ids: torch.Tensor, num_experts: int, block_m: int) -> Expert
 
 
 ALIGN_CHUNK = 256  # pairs a program of align_chunked counts and places (its rank step compares them pairwise)
-ALIGN_MAX_CHUNKS = 1024  # align_chunked's limit: each placing program reads every chunk's counts, [chunks, E]
-ALIGN_STEP = 256  # rows of padding, or blocks, a program writes at once
+ALIGN_MAX_CHUNKS = 1024  # align_chunked's offsets program holds every chunk's counts: [chunks, E]
 
 
-# NOTE: no specialization on the sizes (divisibility by 16, equality to 1): one compile serves every step size
-@triton.jit(do_not_specialize=["num_pairs", "max_padded", "rows_per_chunk"])
-def _chunk_count_kernel(ids_ptr, counts_ptr, pair_ids_ptr, num_pairs, max_padded, rows_per_chunk,
-                        CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, STEP: tl.constexpr):
-    """Chunk c's pairs per expert into counts[c], and padding (num_pairs) into its share of pair_ids' rows, which the
-    place launch then writes the pairs over."""
+@triton.jit
+def _chunk_count_kernel(ids_ptr, counts_ptr, num_pairs, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
     c = tl.program_id(0)
     p = c * CHUNK + tl.arange(0, CHUNK)
     valid = p < num_pairs
@@ -163,51 +156,47 @@ def _chunk_count_kernel(ids_ptr, counts_ptr, pair_ids_ptr, num_pairs, max_padded
     ex = tl.arange(0, BLOCK_E)
     hit = (e[None, :] == ex[:, None]) & valid[None, :]  # [E, CHUNK]
     tl.store(counts_ptr + c * BLOCK_E + ex, tl.sum(hit.to(tl.int32), axis=1))
-    row_end = tl.minimum((c + 1) * rows_per_chunk, max_padded)
-    for r0 in range(c * rows_per_chunk, row_end, STEP):
-        rows = r0 + tl.arange(0, STEP)
-        tl.store(pair_ids_ptr + rows, tl.full([STEP], 0, tl.int32) + num_pairs, mask=rows < row_end)
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_experts", "num_chunks", "num_blocks", "blocks_per_chunk"])
-def _chunk_place_kernel(ids_ptr, counts_ptr, pair_ids_ptr, block_expert_ptr, num_pairs, num_experts, num_chunks,
-                        num_blocks, blocks_per_chunk, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr, STEP: tl.constexpr):
-    """Chunk c's pairs into their sorted rows: from every chunk's counts, each expert's padded first row (a cumulative
-    sum over E) plus its pairs in chunks before c, plus the pair's rank among the chunk's earlier pairs of its
-    expert; and chunk c's share of the block → expert map."""
-    c = tl.program_id(0)
+@triton.jit
+def _chunk_offsets_kernel(counts_ptr, base_ptr, pair_ids_ptr, block_expert_ptr, num_pairs, num_experts, num_chunks,
+                          max_padded, num_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                          BLOCK_C: tl.constexpr, STEP: tl.constexpr):
     ex = tl.arange(0, BLOCK_E)
-    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
-    earlier = tl.zeros([BLOCK_E], dtype=tl.int32)  # the expert's pairs in chunks before c
-    for c0 in range(0, num_chunks, BLOCK_C):
-        ch = c0 + tl.arange(0, BLOCK_C)
-        block = tl.load(counts_ptr + ch[:, None] * BLOCK_E + ex[None, :], mask=(ch < num_chunks)[:, None],
-                        other=0)  # [BLOCK_C, E]
-        counts += tl.sum(block, axis=0)
-        earlier += tl.sum(tl.where((ch < c)[:, None], block, 0), axis=0)
+    ch = tl.arange(0, BLOCK_C)
+    in_range = ch[:, None] < num_chunks
+    chunk_counts = tl.load(counts_ptr + ch[:, None] * BLOCK_E + ex[None, :], mask=in_range, other=0)  # [C, E]
+    counts = tl.sum(chunk_counts, axis=0)  # [E]
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    padded_end = tl.cumsum(padded, 0)  # [E]
-    base = padded_end - padded + earlier  # [E]: the first row of chunk c's pairs of each expert
+    padded_end = tl.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    earlier = tl.cumsum(chunk_counts, 0) - chunk_counts  # [C, E]: the expert's pairs in earlier chunks
+    tl.store(base_ptr + ch[:, None] * BLOCK_E + ex[None, :], padded_start[None, :] + earlier, mask=in_range)
+    for r0 in range(0, max_padded, STEP):  # padding everywhere; the place launch writes the pairs over it
+        rows = r0 + tl.arange(0, STEP)
+        tl.store(pair_ids_ptr + rows, tl.full([STEP], 0, tl.int32) + num_pairs, mask=rows < max_padded)
+    for b0 in range(0, num_blocks, STEP):  # block b's expert: the experts whose padded rows end at or before it
+        b = b0 + tl.arange(0, STEP)
+        ended = (padded_end[None, :] <= b[:, None] * BLOCK_M) & (ex[None, :] < num_experts)  # [STEP, E]
+        tl.store(block_expert_ptr + b, tl.sum(ended.to(tl.int32), axis=1), mask=b < num_blocks)
+
+
+@triton.jit
+def _chunk_place_kernel(ids_ptr, base_ptr, pair_ids_ptr, num_pairs, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
+    c = tl.program_id(0)
     local = tl.arange(0, CHUNK)
     p = c * CHUNK + local
     valid = p < num_pairs
     e = tl.load(ids_ptr + p, mask=valid, other=0).to(tl.int32)
     same_before = (e[None, :] == e[:, None]) & (local[None, :] < local[:, None]) & valid[None, :]  # [CHUNK, CHUNK]
     rank = tl.sum(same_before.to(tl.int32), axis=1)
-    start = tl.sum(tl.where(e[:, None] == ex[None, :], base[None, :], 0), axis=1)  # [CHUNK]: base[e]
-    tl.store(pair_ids_ptr + start + rank, p, mask=valid)
-    # block b's expert: the experts (of those that exist) whose padded rows end at or before the block's first row
-    b_end = tl.minimum((c + 1) * blocks_per_chunk, num_blocks)
-    for b0 in range(c * blocks_per_chunk, b_end, STEP):
-        b = b0 + tl.arange(0, STEP)
-        ended = (padded_end[None, :] <= b[:, None] * BLOCK_M) & (ex[None, :] < num_experts)  # [STEP, E]
-        tl.store(block_expert_ptr + b, tl.sum(ended.to(tl.int32), axis=1), mask=b < b_end)
+    base = tl.load(base_ptr + c * BLOCK_E + e, mask=valid, other=0)
+    tl.store(pair_ids_ptr + base + rank, p, mask=valid)
 
 
 def align_chunked(top_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
-    """fused_moe.align_by_expert in two launches over chunks of ALIGN_CHUNK pairs, for top_ids [T, k] with
-    T·k ≤ ALIGN_CHUNK · ALIGN_MAX_CHUNKS. Fixed sizes and no host sync, as align_by_expert."""
+    """fused_moe.align_by_expert in three launches, for top_ids [T, k] with T·k ≤ ALIGN_CHUNK · ALIGN_MAX_CHUNKS.
+    Fixed sizes and no host sync, as align_by_expert."""
     num_pairs = top_ids.numel()
     num_chunks = triton.cdiv(num_pairs, ALIGN_CHUNK)
     assert 0 < num_chunks <= ALIGN_MAX_CHUNKS
@@ -217,14 +206,15 @@ def align_chunked(top_ids: torch.Tensor, num_experts: int, block_m: int) -> Expe
     dev = top_ids.device
     ids = top_ids.contiguous()
     counts = torch.empty((num_chunks, block_e), dtype=torch.int32, device=dev)
+    base = torch.empty((num_chunks, block_e), dtype=torch.int32, device=dev)
     pair_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=dev)
-    _chunk_count_kernel[(num_chunks,)](ids, counts, pair_ids, num_pairs, max_padded,
-                                       triton.cdiv(max_padded, num_chunks), CHUNK=ALIGN_CHUNK, BLOCK_E=block_e,
-                                       STEP=ALIGN_STEP, num_warps=8)
-    _chunk_place_kernel[(num_chunks,)](ids, counts, pair_ids, block_expert, num_pairs, num_experts, num_chunks,
-                                       num_blocks, triton.cdiv(num_blocks, num_chunks), CHUNK=ALIGN_CHUNK,
-                                       BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_C=16, STEP=ALIGN_STEP, num_warps=8)
+    _chunk_count_kernel[(num_chunks,)](ids, counts, num_pairs, CHUNK=ALIGN_CHUNK, BLOCK_E=block_e, num_warps=8)
+    _chunk_offsets_kernel[(1,)](counts, base, pair_ids, block_expert, num_pairs, num_experts, num_chunks,
+                                max_padded, num_blocks, BLOCK_M=block_m, BLOCK_E=block_e,
+                                BLOCK_C=max(16, triton.next_power_of_2(num_chunks)), STEP=256, num_warps=8)
+    _chunk_place_kernel[(num_chunks,)](ids, base, pair_ids, num_pairs, CHUNK=ALIGN_CHUNK, BLOCK_E=block_e,
+                                       num_warps=8)
     return ExpertBlocks(pair_ids, block_expert, block_m)
 
 
