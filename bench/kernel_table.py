@@ -472,8 +472,7 @@ class Table:
             return call, error
 
         num_bytes = n * k // 2 + 2 * n * (k // group_size) * self.esize + tokens * (n + k) * self.esize
-        label = "default" if config is None else config if isinstance(config, str) else "{}x{}x{}w{}s{}".format(*config)
-        label += "g" if cfg is not None and cfg.per_group else ""
+        label = "default" if config is None else config if isinstance(config, str) else "{}x{}x{}w{}s{}".format(*cfg)
         return self.measure(f"w4a16_{name}_M{tokens}_{label}", num_bytes, build)
 
 
@@ -626,19 +625,13 @@ def fp8_gemv_sweep(shapes: Shapes = LLAMA3_8B, timer: Timer = graph_timer, max_c
 # thread, more warps an SM) are swept. (A register prefetch of the next step's loads lost at every tile: removed.)
 W4A16_TILES = tuple((1, bn, bk, w) for bn in (4, 8, 16) for bk in (512, 1024, 2048) for w in (4, 8))
 W4A16_TOKENS = (8, 32, 64, 128, 256)  # the sweep's multi-token rows: decode batches and a prefill chunk
-# The per-group one-token kernel's tiles (w4a16._w4a16_gemv_group_kernel) as (rows, groups a step, warps): each
-# thread holds 16 or 32 words of a step
-W4A16_GROUP_TILES = ((8, 4, 1), (8, 8, 1), (16, 2, 1), (16, 4, 1), (16, 4, 2), (16, 8, 2), (16, 8, 4), (32, 2, 2),
-                     (32, 4, 2), (32, 4, 4), (32, 8, 4), (64, 1, 2), (64, 2, 4), (64, 4, 4), (64, 4, 8), (128, 1, 4),
-                     (128, 2, 4), (128, 2, 8))
 
 
 def w4a16_sweep(shapes: Shapes = LLAMA3_8B, timer: Timer = graph_timer, max_calls: int = MAX_CALLS,
                 copy_tbs: float | None = None, device: str = "cuda", tiles: tuple = W4A16_TILES,
-                dtype: torch.dtype = torch.bfloat16, group_size: int = 128, tokens: tuple = W4A16_TOKENS,
-                group_tiles: tuple = W4A16_GROUP_TILES) -> dict:
+                dtype: torch.dtype = torch.bfloat16, group_size: int = 128, tokens: tuple = W4A16_TOKENS) -> dict:
     """Each projection of `shapes` at one token on the INT4 kernel (kernels/w4a16.py): at config_for's tile and at
-    each of `tiles` and of the per-group kernel's `group_tiles` (rows, groups a step, warps) no wider than K, beside
+    each of `tiles` no wider than K, beside
     the bf16 weights on cuBLAS → {"rows", "best": per projection the fastest tile, its µs and fraction of copy, the
     default tile's µs and cuBLAS bf16's µs; "tokens": at each of W4A16_TOKENS, the default path as served, the
     dequantizing dot tile, dequantize-then-cuBLAS and bf16 cuBLAS}: where to set w4a16.DEQUANT_MIN_TOKENS."""
@@ -651,8 +644,7 @@ def w4a16_sweep(shapes: Shapes = LLAMA3_8B, timer: Timer = graph_timer, max_call
             continue
         dense = t.gemv(name, 1, n, k, 1)
         default = t.w4a16(name, 1, n, k, group_size=group_size)
-        grouped = [(1, bn, gps * group_size, w, 1, True) for bn, gps, w in group_tiles]
-        tried = {cfg: t.w4a16(name, 1, n, k, cfg, group_size) for cfg in (*tiles, *grouped) if cfg[2] <= k}
+        tried = {cfg: t.w4a16(name, 1, n, k, cfg, group_size) for cfg in tiles if cfg[2] <= k}
         cfg = min(tried, key=lambda c: tried[c]["us"])
         best[name] = {"n": n, "k": k, "config": list(cfg), "us": tried[cfg]["us"], "of_copy": tried[cfg].get("of_copy"),
                       "default_us": default["us"], "bf16_cublas_us": dense["us"]}

@@ -175,19 +175,16 @@ def test_the_w4a16_sweep_checks_each_tile_against_the_dequantized_weight():
     timer = kt.graph_timer if DEVICE == "cuda" else kt.eager_timer
     tiles = ((1, 2, 32, 4, 1), (1, 4, 64, 4, 1), (1, 2, 128, 4, 1))  # 128 is wider than every K here (64, 96)
     res = kt.w4a16_sweep(SMALL, timer=timer, max_calls=2, device=DEVICE, dtype=dtype, tiles=tiles, group_size=32,
-                         tokens=(5,), group_tiles=((8, 1, 1), (16, 2, 1), (16, 4, 2)))  # 4 groups: wider than K
+                         tokens=(5,))
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     for name, row in res["rows"].items():
         assert row["rel_err"] <= tol, (name, row)
     assert set(res["best"]) == {"qkv", "o", "gate_up", "down"}
     assert not any(key.endswith("1x2x128w4s1") for key in res["rows"]) and "w4a16_down_M1_1x4x64w4s1" in res["rows"]
-    assert {"w4a16_down_M1_1x8x32w1s1g", "w4a16_down_M1_1x16x64w1s1g"} <= set(res["rows"])  # the per-group kernel
-    assert not any(key.endswith("1x16x128w2s1g") for key in res["rows"])
     for name, b in res["best"].items():
         fastest = min((r["us"], key) for key, r in res["rows"].items()
                       if key.startswith(f"w4a16_{name}_M1_") and not key.endswith("default"))
-        label = "{}x{}x{}w{}s{}".format(*b["config"]) + ("g" if b["config"][5:] == [True] else "")
-        assert b["us"] == fastest[0] and fastest[1].endswith(label)
+        assert b["us"] == fastest[0] and fastest[1].endswith("{}x{}x{}w{}s{}".format(*b["config"]))
         assert b["default_us"] == res["rows"][f"w4a16_{name}_M1_default"]["us"]
         several = res["tokens"][f"{name}_M5"]  # five tokens: as served, the dequantizing tile, bf16
         assert several["default_us"] == res["rows"][f"w4a16_{name}_M5_default"]["us"] and several["bf16_cublas_us"] > 0

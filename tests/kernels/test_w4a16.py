@@ -84,8 +84,6 @@ def test_w4a16_one_token_in_bf16(group_size):
     (5, w4.W4A16Config(16, 16, 32, 4)),
     (5, w4.W4A16Config(16, 16, 128, 4)),  # wider than K = 96: masked columns and words
     (21, w4.W4A16Config(16, 32, 32, 4)),  # two M blocks, the last part-filled
-    (1, w4.W4A16Config(1, 16, 32, 4, per_group=True)),  # a group a step, its scale once a row
-    (1, w4.W4A16Config(1, 8, 64, 1, per_group=True)),  # two groups a step: the second step's second group masked
 ])
 def test_w4a16_tiles_that_do_not_fill_the_shape(num_tokens, config):
     # N = 40 fills 5 / 2.5 / 1.25 tiles; K = 96 is 3 groups of 32
@@ -106,15 +104,6 @@ def test_w4a16_split_k_partials(num_tokens, block_m):
 def test_w4a16_group_kernel_tiles_and_parts(num_tokens, config, parts):
     # K = 384 is 3 groups of 128: the tensor-core kernel, a group a step
     _check(num_tokens, 40, 384, 128, torch.float32, 1e-5, bias=parts == 1, parts=parts, config=config)
-
-
-def test_the_per_group_one_token_tile_refuses_what_it_cannot_take():
-    _, qweight, scales, zeros = _quantized(8, 96, 32, torch.float32, seed=3)
-    x = torch.randn(2, 96, device=DEVICE)
-    with pytest.raises(ValueError):  # 48 columns a step are not whole groups of 32
-        w4.w4a16_matmul(x[:1], qweight, scales, zeros, 32, config=w4.W4A16Config(1, 8, 48, 4, per_group=True))
-    with pytest.raises(ValueError):  # one token only
-        w4.w4a16_matmul(x, qweight, scales, zeros, 32, config=w4.W4A16Config(1, 8, 32, 4, per_group=True))
 
 
 @pytest.mark.parametrize("group_size", [32, 128])

@@ -17,8 +17,10 @@ import triton
 import triton.language as tl
 
 # A program's warps. Its 2·TOP_K reductions over E logits run one after another; in one warp each is register
-# shuffles only, in several each also crosses warps through shared memory behind a barrier.
-ROUTE_WARPS = 4
+# shuffles only, in several each also crosses warps through shared memory behind a barrier. On an H100, 128 experts
+# top-8 (kernel_table --moe-gemv-sweep, 2026-12-07), µs at 1 / 64 / 256 tokens: 1 warp 2.81 / 2.96 / 3.05, 2 warps
+# 3.68 / 3.85 / 3.93, 4 warps 3.90 / 4.07 / 4.25.
+ROUTE_WARPS = 1
 ROUTER_ROWS = 2  # norm_router: router rows a program (64 programs for Qwen3-MoE's 128 experts)
 
 

@@ -6,7 +6,7 @@ The layout (internal; the loader converts AWQ and GPTQ checkpoints into it):
 - scales [N, K // G] and zeros [N, K // G] in the model dtype, zeros holding the integer zero point as a float;
 - w[n, k] = (q[n, k] - zeros[n, k // G]) * scales[n, k // G], G (group_size) a multiple of 8 that divides K.
 
-Four paths (and a candidate fifth), picked by M and the group size (`w4a16_linear`, `config_for`; timings: H100, Llama-3.1-8B's projections,
+Four paths, picked by M and the group size (`w4a16_linear`, `config_for`; timings: H100, Llama-3.1-8B's projections,
 kernel_table --w4a16-sweep, 2026-12-06):
 - one token (_w4a16_gemv_kernel): one program owns BLOCK_N rows of W and covers K in steps of BLOCK_W words; it
   never materialises an unpacked tile, but multiplies nibble i of each word by x[8j + i] and applies the word's
@@ -18,11 +18,6 @@ kernel_table --w4a16-sweep, 2026-12-06):
   before its arithmetic). A register prefetch of the next step's loads (issued before this step's arithmetic) was
   slower at every tile on the H100 (gate_up 52.6 -> 80.0 µs at 8 x 2048) and is gone; Triton's own num_stages leaves
   this kernel unchanged. Unsolved.
-- one token, per group (_w4a16_gemv_group_kernel, a W4A16Config with per_group; not yet anyone's default): BLOCK_N
-  rows, GROUPS_PER_STEP whole groups a step, each [BLOCK_N, GROUP_W] words, its scale and zero loaded once a row
-  and applied to the group's sums (the zero term, s·z·Σx, kept apart once a row). Fewer registers and loads a word
-  than the kernel above, which gathers a scale and a zero per word; kernel_table --w4a16-sweep times its tiles
-  against the kernel above.
 - 2..16 tokens, groups of ≥ 128 columns (AWQ and GPTQ as published): _w4a16_group_kernel, the nibbles as integers
   on the tensor cores, a group a step, its scale and zero applied once to the group's [BLOCK_M, BLOCK_N] sums; split
   along K (split_for) where the tiles alone would leave SMs idle. At 8 tokens 1.9-3.4x faster than the dequantizing
@@ -64,9 +59,6 @@ class W4A16Config(NamedTuple):
     block_k: int  # a multiple of PACK
     num_warps: int
     num_stages: int = 1  # Triton's software pipelining of the dot kernels (the one-token kernel runs 1)
-    # one token: _w4a16_gemv_group_kernel, block_k columns a step as block_k / group_size whole groups, each group's
-    # scale and zero applied once a row to its sums (not gathered a word)
-    per_group: bool = False
 
 
 def is_group_tiled(group_size: int) -> bool:
@@ -208,44 +200,6 @@ def _w4a16_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, k_per_part
 
 
 @triton.jit
-def _w4a16_gemv_group_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, num_groups, stride_qn, stride_sn,
-                             HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_W: tl.constexpr,
-                             GROUPS_PER_STEP: tl.constexpr):
-    """One token, a whole group at a time: out[n] = Σ_g s[n, g]·(Σ_{k in g} q[n, k]·x[k] − z[n, g]·Σ_{k in g} x[k]).
-    A step loads GROUPS_PER_STEP groups' words [BLOCK_N, GROUP_W] each (issued before their arithmetic), each
-    group's scale and zero as one value a row; nibble i of every word multiplies the strided x[8j + i] as in
-    _w4a16_gemv_kernel."""
-    pid_n = tl.program_id(0)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    offs_w = tl.arange(0, GROUP_W)
-    rows = q_ptr + offs_n[:, None] * stride_qn
-    acc = tl.zeros([BLOCK_N, GROUP_W], dtype=tl.float32)  # Σ s·q·x, by word column
-    zero_terms = tl.zeros([BLOCK_N], dtype=tl.float32)  # Σ_g s·z·Σ x, once a row
-    for g0 in range(0, num_groups, GROUPS_PER_STEP):
-        for j in tl.static_range(GROUPS_PER_STEP):
-            g = g0 + j
-            w_idx = g * GROUP_W + offs_w  # [GROUP_W] words of group g
-            live = tl.where(g < num_groups, mask_n, False)  # NOTE: not `tensor & scalar` (the interpreter's mask)
-            words = tl.load(rows + w_idx[None, :], mask=live[:, None], other=0, eviction_policy="evict_first")
-            s = tl.load(s_ptr + offs_n * stride_sn + g, mask=live, other=0.0).to(tl.float32)  # [BLOCK_N]
-            z = tl.load(z_ptr + offs_n * stride_sn + g, mask=live, other=0.0).to(tl.float32)
-            high = words >> 12  # nibbles 5, 6, 7 at bits 8, 12, 16
-            dot = tl.zeros([BLOCK_N, GROUP_W], dtype=tl.float32)
-            xs = tl.zeros([GROUP_W], dtype=tl.float32)
-            for i in tl.static_range(8):
-                xi = tl.load(x_ptr + w_idx * 8 + i, mask=w_idx < num_groups * GROUP_W, other=0.0).to(tl.float32)
-                dot += _nibble(words, high, i) * xi[None, :]
-                xs += xi
-            acc += s[:, None] * dot
-            zero_terms += s * z * tl.sum(xs, axis=0)
-    out = tl.sum(acc, axis=1) - zero_terms
-    if HAS_BIAS:
-        out += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=mask_n)
-
-
-@triton.jit
 def _w4a16_group_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, groups_per_part, stride_xm, stride_qn,
                         stride_sn, stride_op, stride_om, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_W: tl.constexpr,
                         IEEE_DOT: tl.constexpr):
@@ -353,16 +307,6 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
     out = torch.empty((parts, num_tokens, n), dtype=x.dtype if parts == 1 else torch.float32, device=x.device)
     k_per_part = k // parts
-    if cfg.per_group:
-        words = group_size // PACK
-        if num_tokens != 1 or parts != 1 or words & (words - 1) or cfg.block_k % group_size:
-            raise ValueError(f"w4a16: tile {cfg} takes one token, one part, groups of 8·2^i columns and whole groups "
-                             f"a step (group_size {group_size})")
-        _w4a16_gemv_group_kernel[(triton.cdiv(n, cfg.block_n),)](
-            x, qweight, scales, zeros, bias if bias is not None else scales, out, n, k // group_size,
-            qweight.stride(0), scales.stride(0), HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, GROUP_W=words,
-            GROUPS_PER_STEP=cfg.block_k // group_size, num_warps=cfg.num_warps, num_stages=1)
-        return out[0]
     if cfg.block_m == 1:
         _w4a16_gemv_kernel[(triton.cdiv(n, cfg.block_n), parts)](
             x, qweight, scales, zeros, bias if bias is not None else scales, out, n, k_per_part, group_size,
