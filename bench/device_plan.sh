@@ -2,7 +2,7 @@
 # On the device machine, after `R=$PWD; source bench/device_clean.sh && cd /tmp/clean` (carried: see device_pack.sh):
 # the pending GPU runs of the open issues, grouped into calls of under 600 s, the runs that can close an issue first.
 # Steps write under $OUT/steps (bundled as steps.tgz); the card's name is in steps/gpu.txt.
-#   [PLAN_BUDGET_S=570] bash bench/device_plan.sh R PLAN     R: the carried tree's root (for .tok); PLAN: a|b|c|m|n|o|p|r|t
+#   [PLAN_BUDGET_S=570] bash bench/device_plan.sh R PLAN     R: the carried tree's root (for .tok); PLAN: a|b|c|m|n|o|p|r|s|t
 # a: the replay ratios at α 0.95, 0.8, 0.5 and 0, batches 1 and 64 (issue 26), the MoE batch-1 step against its
 #    roofline and the MoE served W0 (issue 27), the structured-output mask's step cost (issue 29) if time is left.
 # t: speculation served on CUDA, greedy identity over HTTP for both proposers (issue 26); needs the bundled model,
@@ -20,6 +20,8 @@
 # r: the MoE model's steps (norm_router, align_chunked in two launches); the INT4 one-token kernels by tile (the
 #    per-group kernel beside the current one); the router's and INT4 kernels' GPU tests; the router's top-k by warps;
 #    the MoE served W0 (issues 27, 25).
+# s: the MoE model's steps with the router's top-k on one warp (session 23's last change, timed only as a kernel);
+#    the MoE kernels' GPU tests; the served W1 (1000 requests on an H200, 400 on 80 GB) (issue 27).
 # o: after plan m's tiles became the defaults: the MoE GPU tests, the model's steps, the grouped GEMM by tile from 32
 #    to 8,192 tokens (batched decode and prefill), the served W0 (issue 27).
 set -u
@@ -78,6 +80,14 @@ case "$plan" in
             "w4|150|python -m bench.kernel_table --out $S/kt_w4 --no-table --w4a16-sweep --w4a16-tokens 0" \
             "moert|40|python -m bench.kernel_table --out $S/kt_route --no-table --moe --moe-tokens 1 --moe-gemv-sweep" \
             "servemoe|150|SUITE_TIMEOUT_S=145 bash bench/served_gpu.sh moe w0 --serve-args '--model random:qwen3-30b-a3b --device cuda'"
+        ;;
+    s)
+        w1n=1000
+        nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || w1n=400
+        bash bench/device_steps.sh "${PLAN_BUDGET_S:-570}" \
+            "moe|70|python -m bench.model_speed --presets qwen3-30b-a3b --out $S/ms_moe" \
+            "gputest|60|python -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_moe_routing.py tests/kernels/test_fused_moe.py" \
+            "servemoe|370|SUITE_TIMEOUT_S=360 bash bench/served_gpu.sh moe w1 --w1-requests $w1n --serve-args '--model random:qwen3-30b-a3b --device cuda'"
         ;;
     c)
         SUITE_TIMEOUT_S=545 bash bench/served_gpu.sh r1 w1,w0,w6 --w6-duration-s 300 --w6-concurrency 512
