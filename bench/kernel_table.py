@@ -10,8 +10,8 @@ over inputs of its own, and one replay (do_bench flushes L2 before it) is divide
 from DRAM, and a row is what the kernel costs as a node of the engine's graphs: its GPU time plus the gap to the
 next node. The row `empty`, a kernel of one program that does nothing, is that floor.
 
-    python -m bench.kernel_table --out $OUT [--tile-sweep] [--split-sweep] [--gemv-sweep] [--w4a16-sweep]
-        [--fp8-gemv-sweep]  # Llama-3.1-8B
+    python -m bench.kernel_table --out $OUT [--tile-sweep] [--split-sweep] [--gemv-sweep] [--w4a16-sweep
+        [--w4a16-tokens 8,64]] [--fp8-gemv-sweep]  # Llama-3.1-8B
     python -m bench.kernel_table --out $OUT --no-table --gemv-sweep --gemv-model qwen3-30b-a3b  # its dense GEMVs
     python -m bench.kernel_table --out $OUT --no-table --moe [--moe-tiles 16,64,64,4,2;...] [--moe-tokens 1,8]
         [--moe-gemv-sweep]  # Qwen3-30B-A3B's MoE
@@ -20,7 +20,7 @@ The sweeps time one kernel over its options: the decode kernel by tile at small 
 ones; the model's projections on cuBLAS and on kernels/gemv.py by tile and split count (gemv_sweep, whose fastest
 tiles gemv_tuning turns into that module's TUNED table). --moe times the fused MoE layer (kernels/fused_moe.py) on
 Qwen3-30B-A3B's expert shapes, by token count and, with --moe-tiles, by tile; --moe-gemv-sweep adds the decode
-path (kernels/moe_gemv.py) by tile and the router at one token.
+path (kernels/moe_gemv.py) by tile, the router's logits at one token and its top-k by warps.
 """
 from __future__ import annotations
 
