@@ -68,3 +68,20 @@ def test_calibrated_int4_on_load_scales_then_rounds_and_beats_plain_rtn() -> Non
         assert isinstance(model.model.layers[1].mlp.down_proj, QuantizedLinear)
         errors[calibration is None] = ((sequence_logits(model, _TOKENS) - reference).norm() / reference.norm()).item()
     assert errors[False] < 0.8 * errors[True], errors
+
+
+def test_the_scale_search_runs_on_one_cpu_thread_and_restores_the_count(monkeypatch) -> None:
+    """Each group's α search (many small ops) runs on one intra-op thread: beside another busy job on 2 cores, two
+    threads made the bundled model's on-load search ~5x slower (quant/awq.py's NOTE). The count comes back after."""
+    from services.gpu_worker.quant import awq
+
+    seen: list[int] = []
+    real = awq.search_scale
+    monkeypatch.setattr(awq, "search_scale", lambda *a, **k: seen.append(torch.get_num_threads()) or real(*a, **k))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        alphas = scale_activation_aware_(_with_outliers("tiny-llama"), [_TOKENS[:40]], group_size=32)
+        assert seen == [1] * len(alphas) and len(alphas) == 8 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

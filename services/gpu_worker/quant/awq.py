@@ -28,7 +28,7 @@ from torch import nn
 
 from services.gpu_worker.model.llama import RMSNorm
 from services.gpu_worker.quant.clip import GRAM_SHRINK, search_grid, shrunk_gram
-from services.gpu_worker.quant.gptq import gptq_quantize_on_grid
+from services.gpu_worker.quant.gptq import gptq_quantize_on_grid, one_cpu_thread
 from services.gpu_worker.quant.int4 import Int4Weight, dequantize_int4, quantize_int4
 from services.gpu_worker.quant.linear import int4_group_size
 from services.gpu_worker.quant.quality import LayerDone, run_until_done
@@ -160,7 +160,11 @@ def scale_activation_aware_(model: nn.Module, token_batches: list[list[int]], gr
                 continue
             x = torch.cat(xs)  # [T, K]
             weights = [linear.weight.detach().float() for linear in group.linears]
-            s, alpha = search_scale(x, weights, quantize, None if group.tie is None else group.tie.to(x.device), shrink)
+            # NOTE: on one CPU thread. The bundled model's on-load search (serve --quantization awq) on 2 cores took
+            # 26 s on 2 threads and 49 s on one when quiet, but 260 s against 55 s beside another busy 2-thread job
+            with one_cpu_thread(x.device):
+                s, alpha = search_scale(x, weights, quantize, None if group.tie is None else group.tie.to(x.device),
+                                        shrink)
             fold_scale_(group, s)
             if grids is not None:
                 scaled = x / (s if group.tie is None else s[group.tie.to(s.device)])  # [T, K] the linears' input now

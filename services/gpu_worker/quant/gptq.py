@@ -148,7 +148,7 @@ def _feedback_quantize_(weight: torch.Tensor, u: torch.Tensor, block: int,
         end = min(start + block, k)
         cols, u_block = weight[:, start:end], u[start:end, start:end]  # cols: a view, updated in place
         errors = torch.zeros_like(cols)  # [N, B]
-        with _one_cpu_thread(weight.device):
+        with one_cpu_thread(weight.device):
             for i in range(end - start):
                 error = (cols[:, i] - round_column(start + i, cols[:, i:])) / u_block[i, i]  # [N]
                 cols[:, i:] -= error[:, None] * u_block[i, i:][None, :]
@@ -157,11 +157,12 @@ def _feedback_quantize_(weight: torch.Tensor, u: torch.Tensor, block: int,
 
 
 @contextmanager
-def _one_cpu_thread(device: torch.device) -> Iterator[None]:
-    """One intra-op thread on the CPU for the column loop's small ops: each is a parallel region whose barrier waits
-    for every thread, so a thread descheduled by another busy process stalls every op. On the 2-core CPU shared with
-    other jobs, the bundled model's FP8 calibration took ~55 s a decoder layer with 2 threads against ~1 s quiet; one
-    gptq_quantize_fp8 of a [3072, 576] weight at a load of ~3 took 0.35-1.1 s with this against 1.1-3.6 s without."""
+def one_cpu_thread(device: torch.device) -> Iterator[None]:
+    """One intra-op thread on the CPU for loops of small ops (GPTQ's column loop, AWQ's scale search): each op is a
+    parallel region whose barrier waits for every thread, so a thread descheduled by another busy process stalls
+    every op. On the 2-core CPU shared with other jobs, the bundled model's FP8 calibration took ~55 s a decoder layer
+    with 2 threads against ~1 s quiet; one gptq_quantize_fp8 of a [3072, 576] weight at a load of ~3 took 0.35-1.1 s
+    with this against 1.1-3.6 s without."""
     if device.type != "cpu":
         yield
         return
