@@ -28,6 +28,9 @@ set -u
 R=$1 plan=$2
 S=$OUT/steps
 mkdir -p "$S"
+# The MoE served W1's request count: all 1000 on an H200; on an 80 GB card the 61 GB of weights leave KV for ~72 such
+# sequences, so 400 (the 1000 would run past one call).
+w1_requests() { nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo 1000 || echo 400; }
 echo "device_plan: $plan on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)"
 case "$plan" in
     a)
@@ -62,14 +65,11 @@ case "$plan" in
             "servemoe|150|SUITE_TIMEOUT_S=145 bash bench/served_gpu.sh moe w0 --serve-args '--model random:qwen3-30b-a3b --device cuda'"
         ;;
     p)
-        # The model step first (the changes since its last run), then the dense GEMV sweep, then the served W1: all
-        # 1000 requests on an H200; on an 80 GB card the 61 GB of weights leave KV for ~72 such sequences, so 400.
-        w1n=1000
-        nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || w1n=400
+        # The model step first (the changes since its last run), then the dense GEMV sweep, then the served W1
         bash bench/device_steps.sh "${PLAN_BUDGET_S:-570}" \
             "moe|70|python -m bench.model_speed --presets qwen3-30b-a3b --out $S/ms_moe" \
             "gemvmoe|120|python -m bench.kernel_table --out $S/kt_gemv --no-table --gemv-sweep --gemv-model qwen3-30b-a3b" \
-            "servemoe|370|SUITE_TIMEOUT_S=360 bash bench/served_gpu.sh moe w1 --w1-requests $w1n --serve-args '--model random:qwen3-30b-a3b --device cuda'" \
+            "servemoe|370|SUITE_TIMEOUT_S=360 bash bench/served_gpu.sh moe w1 --w1-requests $(w1_requests) --serve-args '--model random:qwen3-30b-a3b --device cuda'" \
             "moegemv|90|python -m bench.kernel_table --out $S/kt_moegemv --no-table --moe --moe-tokens 1,2,4 --moe-gemv-sweep" \
             "alignab|90|python -m bench.kernel_table --out $S/kt_align --no-table --moe --moe-tokens 64,256,2048 --moe-tiles '16,64,128,4,3;128,128,64,8,3' --moe-torch-align"
         ;;
@@ -82,12 +82,10 @@ case "$plan" in
             "servemoe|150|SUITE_TIMEOUT_S=145 bash bench/served_gpu.sh moe w0 --serve-args '--model random:qwen3-30b-a3b --device cuda'"
         ;;
     s)
-        w1n=1000
-        nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || w1n=400
         bash bench/device_steps.sh "${PLAN_BUDGET_S:-570}" \
             "moe|70|python -m bench.model_speed --presets qwen3-30b-a3b --out $S/ms_moe" \
             "gputest|60|python -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_moe_routing.py tests/kernels/test_fused_moe.py" \
-            "servemoe|370|SUITE_TIMEOUT_S=360 bash bench/served_gpu.sh moe w1 --w1-requests $w1n --serve-args '--model random:qwen3-30b-a3b --device cuda'"
+            "servemoe|370|SUITE_TIMEOUT_S=360 bash bench/served_gpu.sh moe w1 --w1-requests $(w1_requests) --serve-args '--model random:qwen3-30b-a3b --device cuda'"
         ;;
     c)
         SUITE_TIMEOUT_S=545 bash bench/served_gpu.sh r1 w1,w0,w6 --w6-duration-s 300 --w6-concurrency 512

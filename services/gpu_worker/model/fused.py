@@ -151,12 +151,12 @@ def forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, 
         h = _attention(layer.self_attn, x, positions, model.inv_freq, cache, meta, backend, num_parts, gemv)
         if _is_moe(layer.mlp):
             router = layer.mlp.norm_router_weight(residual)
-            if router is not None:  # the norm and the router's logits in one launch
+            if router is None:
+                x, residual = rms_norm(h, layer.post_attention_layernorm.weight, eps, residual)
+                logits = None
+            else:  # the norm and the router's logits in one launch
                 x, residual, logits = norm_router(h, residual, layer.post_attention_layernorm.weight, eps, router)
-                h = layer.mlp(x, logits)
-                continue
-            x, residual = rms_norm(h, layer.post_attention_layernorm.weight, eps, residual)
-            h = layer.mlp(x)  # [T, hidden]: routed experts (summed over the TP ranks inside)
+            h = layer.mlp(x, logits)  # [T, hidden]: routed experts (summed over the TP ranks inside)
             continue
         x, residual = rms_norm(h, layer.post_attention_layernorm.weight, eps, residual)
         gate_up = _column_projection(x, layer.mlp.gate_up_weight, None, gemv)  # [T, 2 I] (I: this rank's share)
