@@ -9,6 +9,7 @@ The kernel shares come from torch.profiler over decode steps (CUDA graph replays
 
 A preset suffixed `:torch_routing` runs the MoE router and expert sort as torch ops (softmax, topk, division; the
 dozen ops of fused_moe.align_by_expert) instead of kernels/moe_routing.py's two launches: the A/B of that lever.
+A preset suffixed `:no_pdl` launches the kernels without programmatic dependent launch (kernels/pdl.py), its A/B.
 A preset suffixed `@METHOD` (fp8, awq, gptq) quantizes its linear layers on load, as `serve --quantization METHOD`
 does (issue 25); its roofline counts the quantized weights' bytes (packed words and scales):
 
@@ -126,9 +127,16 @@ def _finish(engine, outs) -> None:
 
 @contextlib.contextmanager
 def variant(name: str):
-    """torch_routing: moe_routing's kernels swapped for the torch ops they replace, for the engine built inside."""
+    """For the engine built inside: torch_routing: moe_routing's kernels swapped for the torch ops they replace;
+    no_pdl: the kernels launched without programmatic dependent launch (kernels/pdl.py)."""
     if not name:
         yield
+        return
+    if name == "no_pdl":
+        from services.gpu_worker.kernels import pdl
+
+        with pdl.disabled():
+            yield
         return
     assert name == "torch_routing", name
     from services.gpu_worker.kernels import fused_moe, moe_routing

@@ -346,3 +346,31 @@ def test_gemv_is_the_default_at_one_token_on_a_single_gpu_only():
     assert Engine(config, loaded=loaded).model.gemv_max_tokens == (1 if DEVICE == "cuda" else 0)
     torch_backend = EngineConfig(model="random:tiny-llama", device=DEVICE, num_pages=64, attention_backend="torch")
     assert Engine(torch_backend, loaded=loaded).model.gemv_max_tokens == 0  # no error: the default is not a request
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("case", ["qwen3-0.6b", "qwen3-0.6b@awq", "tiny-qwen3-moe"])
+def test_programmatic_dependent_launch_changes_no_bit(case):
+    """kernels/pdl.py: the decode step's kernels launched with PDL (the default on Hopper) give the same tokens and
+    logprobs, bit for bit, as launched without it, at one sequence (the GEMV paths) and at several, under CUDA
+    graphs. A kernel that read or wrote before its griddepcontrol.wait would race the kernel before it."""
+    from services.gpu_worker.kernels import pdl
+
+    if not pdl.enabled(torch.device("cuda")):
+        pytest.skip("PDL needs compute capability 9.0 or later")
+    preset, _, quantization = case.partition("@")
+    if preset == "tiny-qwen3-moe":
+        loaded = _tiny_qwen3_moe(torch.bfloat16, "cuda")
+    else:
+        loaded = load_model(f"random:{preset}", dtype=torch.bfloat16, device="cuda", seed=4)
+    overrides = {"quantization": quantization} if quantization else {}
+    for num_prompts in (1, 5):
+        prompts = _prompts(loaded.config.vocab_size, num_prompts, 200)
+        with pdl.disabled():
+            plain = _generate(preset, loaded, prompts, 40, "bfloat16", attention_backend="triton", **overrides)
+        for _ in range(2):
+            with_pdl = _generate(preset, loaded, prompts, 40, "bfloat16", attention_backend="triton", **overrides)
+            for p, q in zip(plain, with_pdl, strict=True):
+                assert p.token_ids == q.token_ids
+                assert [lp.logprob for lp in p.logprobs] == [lp.logprob for lp in q.logprobs]

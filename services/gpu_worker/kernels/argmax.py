@@ -12,12 +12,15 @@ import torch
 import triton
 import triton.language as tl
 
+from services.gpu_worker.kernels import pdl
 
 
 @triton.jit
-def _block_max_kernel(x_ptr, stride_row, num_cols, vals_ptr, idx_ptr, num_blocks, BLOCK: tl.constexpr):
+def _block_max_kernel(x_ptr, stride_row, num_cols, vals_ptr, idx_ptr, num_blocks, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr):
     row = tl.program_id(0)
     block = tl.program_id(1)
+    pdl.wait(PDL)
     offs = block * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + row * stride_row + offs, mask=offs < num_cols, other=float("-inf")).to(tl.float32)
     x = tl.where(x != x, float("inf"), x)  # NaN ranks above every number, as in torch.argmax
@@ -28,8 +31,9 @@ def _block_max_kernel(x_ptr, stride_row, num_cols, vals_ptr, idx_ptr, num_blocks
 
 
 @triton.jit
-def _pick_block_kernel(vals_ptr, idx_ptr, num_blocks, out_ptr, NUM_BLOCKS: tl.constexpr):
+def _pick_block_kernel(vals_ptr, idx_ptr, num_blocks, out_ptr, NUM_BLOCKS: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0)
+    pdl.wait(PDL)
     offs = tl.arange(0, NUM_BLOCKS)
     mask = offs < num_blocks
     vals = tl.load(vals_ptr + row * num_blocks + offs, mask=mask, other=float("-inf"))
@@ -53,9 +57,9 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, block: int = 2
     vals = torch.empty((num_rows, num_blocks), dtype=torch.float32, device=x.device)
     idx = torch.empty((num_rows, num_blocks), dtype=torch.int64, device=x.device)
     _block_max_kernel[(num_rows, num_blocks)](x, x.stride(0), num_cols, vals, idx, num_blocks, BLOCK=block,
-                                              num_warps=8)
+                                              num_warps=8, **pdl.args(x.device))
     _pick_block_kernel[(num_rows,)](vals, idx, num_blocks, out, NUM_BLOCKS=triton.next_power_of_2(num_blocks),
-                                    num_warps=4)
+                                    num_warps=4, **pdl.args(x.device))
     return out
 
 

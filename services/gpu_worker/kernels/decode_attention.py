@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from services.gpu_worker.attention.base import DEFAULT_ATTENTION, LayerAttention
-from services.gpu_worker.kernels import paging, v_pairs
+from services.gpu_worker.kernels import paging, pdl, v_pairs
 from services.gpu_worker.kv_cache import FP8_DTYPES, is_v_pairs
 
 BLOCK_N = 64
@@ -142,11 +142,12 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, vw_ptr, table_ptr, seq_lens_ptr, o
                    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, NEW_TOKEN: tl.constexpr,
                    F16_DOT: tl.constexpr, V_PAIRS: tl.constexpr, V_ASM: tl.constexpr, OFF64: tl.constexpr,
-                   SOFTCAP: tl.constexpr, WINDOW: tl.constexpr):
+                   SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     num_kv_heads = tl.num_programs(1)
+    pdl.wait(PDL)
     seq_len = tl.load(seq_lens_ptr + b)
     chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
@@ -254,9 +255,10 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, vw_ptr, table_ptr, seq_lens_ptr, o
 
 @triton.jit
 def _decode_reduce_kernel(part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, num_heads,
-                          HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                          HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    pdl.wait(PDL)
     offs_s = tl.arange(0, NUM_SPLITS)
     offs_d = tl.arange(0, HEAD_DIM)
     row = (b * num_heads + h) * NUM_SPLITS + offs_s  # [S]
@@ -302,10 +304,11 @@ def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_toke
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, NEW_TOKEN=new_token is not None, F16_DOT=f16_dot, V_PAIRS=pairs,
         V_ASM=asm, OFF64=paging.needs_off64(k_cache), **spec_constexprs, num_warps=num_warps, num_stages=num_stages,
-        **({"maxnreg": max_regs} if max_regs else {}))
+        **({"maxnreg": max_regs} if max_regs else {}), **pdl.args(q.device))
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            part, lse, out, out.stride(0), out.stride(1), num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits)
+            part, lse, out, out.stride(0), out.stride(1), num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            **pdl.args(q.device))
     return out
 
 

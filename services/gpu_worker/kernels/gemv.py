@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from services.gpu_worker.kernels import pdl
 
 MAX_TOKENS = 16  # the dot path pads x to 16 rows
 # o_proj's and down_proj's slices of K on this kernel (model/fused.py); 1: whole rows in the activation dtype, which
@@ -89,8 +90,8 @@ def config_for(n: int, k: int, parts: int, num_tokens: int, fp8: bool = False) -
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, s_ptr, out_ptr, M, N, k_per_part, stride_xm, stride_wn, stride_op,
-                 stride_om, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr):
+                 stride_om, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     part = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -99,7 +100,17 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, s_ptr, out_ptr, M, N, k_per_part, stride_x
     w_rows = w_ptr + offs_n[:, None] * stride_wn + k_lo
     if BLOCK_M == 1:
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, k_per_part, BLOCK_K):
+        k_start = 0
+        if PDL:  # the first tile of weights while the kernel before still runs (no kernel writes a weight)
+            offs_k = tl.arange(0, BLOCK_K)
+            mask_k = offs_k < k_per_part
+            w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                        eviction_policy="evict_first")
+            pdl.wait(PDL)
+            x = tl.load(x_ptr + k_lo + offs_k, mask=mask_k, other=0.0)
+            acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            k_start = BLOCK_K
+        for k0 in range(k_start, k_per_part, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             if EVEN_K:
                 w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
@@ -112,6 +123,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, s_ptr, out_ptr, M, N, k_per_part, stride_x
             acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
         acc = tl.sum(acc2, axis=1)[None, :]  # [1, BLOCK_N]
     else:
+        pdl.wait(PDL)
         offs_m = tl.arange(0, BLOCK_M)
         mask_m = offs_m < M
         x_rows = x_ptr + offs_m[:, None] * stride_xm + k_lo
@@ -160,7 +172,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         k_per_part, x.stride(0), weight.stride(0), stride_op, out.stride(-2), HAS_BIAS=bias is not None,
         HAS_SCALE=scale is not None,
         BLOCK_M=1 if num_tokens == 1 else MAX_TOKENS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        EVEN_K=k_per_part % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        EVEN_K=k_per_part % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl.args(x.device))
     return out
 
 

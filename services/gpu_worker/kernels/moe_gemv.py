@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from services.gpu_worker.kernels import pdl
 
 class GemvTile(NamedTuple):
     block_n: int  # weight rows a program owns (per half, for gate_up)
@@ -56,9 +57,11 @@ def default_config(hidden: int, inter: int) -> MoeGemvConfig:
 
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, N, K, stride_xm, stride_we, stride_wn, stride_am,
-                    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                    PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)
+    pdl.wait(PDL)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     token = pair // TOP_K
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -89,9 +92,10 @@ def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, N, K, stride_xm, stride_we, 
 @triton.jit
 def _down_kernel(a_ptr, w_ptr, ids_ptr, route_w_ptr, out_ptr, N, K, stride_am, stride_we, stride_wn, stride_om,
                  TOP_K: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr):
+                 EVEN_K: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     token = tl.program_id(1)
+    pdl.wait(PDL)
     offs_j = tl.arange(0, BLOCK_J)
     mask_j = offs_j < TOP_K
     pairs = token * TOP_K + offs_j  # [J]
@@ -138,11 +142,11 @@ def moe_gemv(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_ids
     _gate_up_kernel[(triton.cdiv(inter, gu.block_n), num_tokens * k)](
         x, gate_up, ids, act, inter, hidden, x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
         TOP_K=k, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, EVEN_K=hidden % gu.block_k == 0,
-        num_warps=gu.num_warps, num_stages=gu.num_stages)
+        num_warps=gu.num_warps, num_stages=gu.num_stages, **pdl.args(x.device))
     out = torch.empty_like(x)
     dn = cfg.down
     _down_kernel[(triton.cdiv(hidden, dn.block_n), num_tokens)](
         act, down, ids, weights, out, hidden, inter, act.stride(0), down.stride(0), down.stride(1), out.stride(0),
         TOP_K=k, BLOCK_J=triton.next_power_of_2(k), BLOCK_N=dn.block_n, BLOCK_K=dn.block_k,
-        EVEN_K=inter % dn.block_k == 0, num_warps=dn.num_warps, num_stages=dn.num_stages)
+        EVEN_K=inter % dn.block_k == 0, num_warps=dn.num_warps, num_stages=dn.num_stages, **pdl.args(x.device))
     return out

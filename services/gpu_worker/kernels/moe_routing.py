@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from services.gpu_worker.kernels import pdl
 # A program's warps. Its 2·TOP_K reductions over E logits run one after another; in one warp each is register
 # shuffles only, in several each also crosses warps through shared memory behind a barrier. On an H100, 128 experts
 # top-8 (kernel_table --moe-gemv-sweep, 2026-12-07), µs at 1 / 64 / 256 tokens: 1 warp 2.81 / 2.96 / 3.05, 2 warps
@@ -27,7 +28,7 @@ ROUTER_ROWS = 2  # norm_router: router rows a program (64 programs for Qwen3-MoE
 @triton.jit
 def _norm_router_kernel(h_ptr, res_ptr, nw_ptr, rw_ptr, out_ptr, res_out_ptr, logits_ptr, stride_part, stride_h,
                         stride_r, stride_o, stride_ro, stride_l, stride_rw, hidden, num_experts, eps,
-                        NUM_PARTS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+                        NUM_PARTS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
     t = tl.program_id(0)
     pid = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -36,6 +37,7 @@ def _norm_router_kernel(h_ptr, res_ptr, nw_ptr, rw_ptr, out_ptr, res_out_ptr, lo
     router = tl.load(rw_ptr + rows[:, None] * stride_rw + offs[None, :],
                      mask=(rows < num_experts)[:, None] & mask[None, :], other=0.0)  # [ROWS, BLOCK]: no wait on x
     w = tl.load(nw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    pdl.wait(PDL)  # the weights above may load while the kernel before runs
     r = tl.load(res_ptr + t * stride_r + offs, mask=mask, other=0.0)
     if NUM_PARTS == 1:
         x = tl.load(h_ptr + t * stride_h + offs, mask=mask, other=0.0)
@@ -74,14 +76,16 @@ def norm_router(h: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tens
             parts, residual, norm_weight, router_weight, out, res_out, logits, parts.stride(0), parts.stride(1),
             residual.stride(0), out.stride(0), res_out.stride(0), logits.stride(0), router_weight.stride(0), hidden,
             num_experts, eps, NUM_PARTS=num_parts, BLOCK=block, ROWS=ROUTER_ROWS,
-            num_warps=min(16, max(1, block // 256)))  # rms_norm's warps: its sum of squares in the same order
+            num_warps=min(16, max(1, block // 256)),  # rms_norm's warps: its sum of squares in the same order
+            **pdl.args(residual.device))
     return out, res_out, logits
 
 
 @triton.jit
 def _route_topk_kernel(logits_ptr, ids_ptr, weights_ptr, stride_l, num_experts, TOP_K: tl.constexpr,
-                       NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
+                       NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
     t = tl.program_id(0)
+    pdl.wait(PDL)
     offs = tl.arange(0, BLOCK_E)
     mask = offs < num_experts
     x = tl.load(logits_ptr + t * stride_l + offs, mask=mask, other=float("-inf")).to(tl.float32)
@@ -115,7 +119,7 @@ def route_topk(logits: torch.Tensor, top_k: int, normalize: bool,
     if num_tokens:
         _route_topk_kernel[(num_tokens,)](logits, ids, weights, logits.stride(0), num_experts, TOP_K=top_k,
                                           NORMALIZE=normalize, BLOCK_E=triton.next_power_of_2(num_experts),
-                                          num_warps=num_warps or ROUTE_WARPS)
+                                          num_warps=num_warps or ROUTE_WARPS, **pdl.args(logits.device))
     return ids, weights
 
 

@@ -10,16 +10,18 @@ import torch
 import triton
 import triton.language as tl
 
+from services.gpu_worker.kernels import pdl
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_part, stride_x, stride_r, stride_o,
                      stride_ro, hidden, eps, HAS_RESIDUAL: tl.constexpr, NUM_PARTS: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, PDL: tl.constexpr):
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # a weight: no kernel writes it
+    pdl.wait(PDL)
     if NUM_PARTS == 1:
         x = tl.load(x_ptr + t * stride_x + offs, mask=mask, other=0.0)
     else:
@@ -58,7 +60,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     _rms_norm_kernel[(num_tokens,)](
         parts, res, weight, out, res_out, parts.stride(0), parts.stride(1), res.stride(0), out.stride(0),
         res_out.stride(0), hidden, eps, HAS_RESIDUAL=residual is not None, NUM_PARTS=num_parts, BLOCK=block,
-        num_warps=num_warps or min(16, max(1, block // 256)))
+        num_warps=num_warps or min(16, max(1, block // 256)), **pdl.args(x.device))
     return out, res_out
 
 
@@ -77,14 +79,15 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 @triton.jit
 def _rms_norm_heads_kernel(x_ptr, q_w_ptr, k_w_ptr, stride_t, stride_h, num_q_heads, head_dim, eps,
-                           BLOCK: tl.constexpr):
+                           BLOCK: tl.constexpr, PDL: tl.constexpr):
     t, head = tl.program_id(0), tl.program_id(1)
     offs = tl.arange(0, BLOCK)
     mask = offs < head_dim
     ptrs = x_ptr + t.to(tl.int64) * stride_t + head * stride_h + offs
-    x = tl.load(ptrs, mask=mask, other=0.0)
     w_ptr = q_w_ptr if head < num_q_heads else k_w_ptr
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    pdl.wait(PDL)
+    x = tl.load(ptrs, mask=mask, other=0.0)
     x32 = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / head_dim + eps)
     y = (x32 * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * w
@@ -101,5 +104,5 @@ def rms_norm_heads_(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Te
     if num_tokens:
         _rms_norm_heads_kernel[(num_tokens, num_heads)](
             qk, q_weight, k_weight, qk.stride(0), qk.stride(1), num_q_heads, head_dim, eps,
-            BLOCK=triton.next_power_of_2(head_dim), num_warps=1 if head_dim <= 128 else 2)
+            BLOCK=triton.next_power_of_2(head_dim), num_warps=1 if head_dim <= 128 else 2, **pdl.args(qk.device))
     return qk

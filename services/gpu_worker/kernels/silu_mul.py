@@ -7,11 +7,14 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from services.gpu_worker.kernels import pdl
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_xt, stride_ot, inter, GELU: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, stride_xt, stride_ot, inter, GELU: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
     t = tl.program_id(0)
+    pdl.wait(PDL)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
     gate = tl.load(x_ptr + t * stride_xt + offs, mask=mask, other=0.0).to(tl.float32)
@@ -34,7 +37,7 @@ def silu_mul(x: torch.Tensor, block: int = 1024, gelu: bool = False) -> torch.Te
         return out
     assert x.stride(1) == 1
     _silu_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
-        x, out, x.stride(0), out.stride(0), inter, GELU=gelu, BLOCK=block, num_warps=4)
+        x, out, x.stride(0), out.stride(0), inter, GELU=gelu, BLOCK=block, num_warps=4, **pdl.args(x.device))
     return out
 
 

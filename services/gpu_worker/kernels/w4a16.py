@@ -40,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from services.gpu_worker.kernels import pdl
+
 DECODE_MAX_TOKENS = 16  # M up to this takes the decode (GEMV) tile; larger M the GEMM tile: see the module docstring
 GROUP_TILE_MIN = 128  # columns: tl.dot's K is at least 16 words of 8 nibbles
 # From this many tokens, dequantize W to x's dtype (one streaming kernel) and call cuBLAS. Timed on the H100
@@ -166,7 +168,7 @@ def _w4a16_gemv_step_loads(q_ptr, s_ptr, z_ptr, offs_n, mask_n, w0, w_end, words
 @triton.jit
 def _w4a16_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, k_per_part, group_size, stride_qn, stride_sn,
                        stride_op, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                       EVEN_K: tl.constexpr):
+                       EVEN_K: tl.constexpr, PDL: tl.constexpr):
     """One token: out[part, 0, n] = Σ_k x[k] w[n, k] over the part's slice of K, BLOCK_W packed words (8·BLOCK_W
     columns) of BLOCK_N rows a step. Per word, Σ_k (q − z)·s·x = s·(Σ_i q_i·x_{8j+i} − z·Σ_i x_{8j+i}): nibble i of
     every word multiplies the strided x[8j + i] (no reshape of the unpacked tile), and the word's group scale and
@@ -174,6 +176,7 @@ def _w4a16_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, k_per_part
     a whole number of BLOCK_W, so no column mask (the rows' words then load as 16-byte vectors)."""
     pid_n = tl.program_id(0)
     part = tl.program_id(1)
+    pdl.wait(PDL)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     w_lo = part * (k_per_part // 8)  # first word of this part
@@ -312,7 +315,7 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
             x, qweight, scales, zeros, bias if bias is not None else scales, out, n, k_per_part, group_size,
             qweight.stride(0), scales.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n,
             BLOCK_W=cfg.block_k // PACK, EVEN_K=k_per_part % cfg.block_k == 0,
-            num_warps=cfg.num_warps, num_stages=1)
+            num_warps=cfg.num_warps, num_stages=1, **pdl.args(x.device))
         return out[0] if parts == 1 else out
     grid = (triton.cdiv(num_tokens, cfg.block_m), triton.cdiv(n, cfg.block_n), parts)
     if cfg.block_k == group_size and is_group_tiled(group_size):

@@ -1,0 +1,63 @@
+"""Programmatic dependent launch (PDL) for the kernels of a decode step, on Hopper and later GPUs.
+
+A decode step of one token is hundreds of launches of a few µs each (Llama-3.1-8B: 9 a layer, Qwen3-30B-A3B: 10),
+and between two kernels of a CUDA graph the GPU idles while the first one drains and the next one's programs are
+placed. Launched with PDL, a kernel starts while the kernel before it still runs: its programs become resident, may
+read what no kernel of the step writes (a layer's weights), and then block in `griddepcontrol.wait` until the kernel
+before has finished and its writes are visible. Each kernel lets the next one start as soon as its own programs have
+passed that wait.
+
+The contract, for every kernel launched with `launch_pdl`: call `wait(PDL)` before the first load of anything a
+kernel of the step writes, and before the first store. Reads of weights may come first. `args(device)` pairs the
+kernel's PDL constexpr with the launch attribute, so the two cannot disagree; a kernel launched without the attribute
+(any cuBLAS or torch kernel between two of ours) waits for the one before it as usual, which keeps the chain safe.
+
+On by default on CUDA devices of compute capability 9.0 and later; RADIXSERVE_PDL=0 turns it off (an A/B, or a
+driver that mishandles it). Off under TRITON_INTERPRET=1 and on older GPUs, where the kernels compile without it.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_capable: dict[int, bool] = {}
+_forced_off = False
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels launched for `device` use PDL."""
+    if _forced_off or _INTERPRET or device.type != "cuda" or os.environ.get("RADIXSERVE_PDL", "1") == "0":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _capable:
+        _capable[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return _capable[index]
+
+
+def args(device: torch.device) -> dict:
+    """A launch's keyword arguments: the kernel's PDL constexpr, and the launch attribute when on."""
+    return {"PDL": True, "launch_pdl": True} if enabled(device) else {"PDL": False}
+
+
+@contextlib.contextmanager
+def disabled():
+    """PDL off for the launches inside (and the CUDA graphs captured inside): the A/B of bench/model_speed.py."""
+    global _forced_off
+    saved, _forced_off = _forced_off, True
+    try:
+        yield
+    finally:
+        _forced_off = saved
+
+
+@triton.jit
+def wait(PDL: tl.constexpr):
+    """Block until the kernel before has finished and its writes are visible, then let the next kernel start."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

@@ -1,0 +1,36 @@
+"""kernels/pdl.py's switch: which launches get programmatic dependent launch. Its effect on the kernels' results is
+tested on the GPU (test_triton_engine.py: test_programmatic_dependent_launch_changes_no_bit)."""
+import pytest
+import torch
+
+from services.gpu_worker.kernels import pdl
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """A compiled (not interpreted) Triton and a CUDA device 0 of compute capability 9.0."""
+    monkeypatch.setattr(pdl, "_INTERPRET", False)
+    monkeypatch.setattr(pdl, "_capable", {0: True})
+    monkeypatch.delenv("RADIXSERVE_PDL", raising=False)
+
+
+def test_on_for_hopper_with_the_launch_attribute(hopper):
+    assert pdl.args(torch.device("cuda", 0)) == {"PDL": True, "launch_pdl": True}
+
+
+def test_off_by_environment_in_the_ab_context_and_on_older_gpus(hopper, monkeypatch):
+    device = torch.device("cuda", 0)
+    with pdl.disabled():
+        assert pdl.args(device) == {"PDL": False}
+    assert pdl.enabled(device)  # restored
+    monkeypatch.setenv("RADIXSERVE_PDL", "0")
+    assert pdl.args(device) == {"PDL": False}
+    monkeypatch.delenv("RADIXSERVE_PDL")
+    monkeypatch.setattr(pdl, "_capable", {0: False})  # an A100: griddepcontrol is sm_90+
+    assert pdl.args(device) == {"PDL": False}
+
+
+def test_off_on_the_cpu_and_under_the_interpreter(hopper, monkeypatch):
+    assert pdl.args(torch.device("cpu")) == {"PDL": False}
+    monkeypatch.setattr(pdl, "_INTERPRET", True)
+    assert pdl.args(torch.device("cuda", 0)) == {"PDL": False}
