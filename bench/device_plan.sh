@@ -92,7 +92,7 @@ case "$plan" in
     u)
         bash bench/device_steps.sh "${PLAN_BUDGET_S:-570}" \
             "pdltest|90|python -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_triton_engine.py -k programmatic" \
-            "pdl|200|python -m bench.model_speed --presets qwen3-30b-a3b,qwen3-30b-a3b:no_pdl,llama3-8b,llama3-8b:no_pdl --max-num-seqs 64 --out $S/ms_pdl" \
+            "pdl|260|python -m bench.model_speed --presets qwen3-30b-a3b,qwen3-30b-a3b:no_pdl,qwen3-30b-a3b:pdl_wait_only,llama3-8b,llama3-8b:no_pdl,llama3-8b:pdl_wait_only --max-num-seqs 64 --out $S/ms_pdl" \
             "gputest|120|python -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gemv.py tests/kernels/test_rms_norm.py tests/kernels/test_moe_gemv.py tests/kernels/test_moe_routing.py tests/kernels/test_argmax.py tests/kernels/test_silu_mul.py"
         ;;
     c)

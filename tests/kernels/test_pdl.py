@@ -15,22 +15,24 @@ def hopper(monkeypatch):
 
 
 def test_on_for_hopper_with_the_launch_attribute(hopper):
-    assert pdl.args(torch.device("cuda", 0)) == {"PDL": True, "launch_pdl": True}
+    assert pdl.args(torch.device("cuda", 0)) == {"PDL": 2, "launch_pdl": True}
+    with pdl.wait_only():
+        assert pdl.args(torch.device("cuda", 0)) == {"PDL": 1, "launch_pdl": True}
 
 
 def test_off_by_environment_in_the_ab_context_and_on_older_gpus(hopper, monkeypatch):
     device = torch.device("cuda", 0)
     with pdl.disabled():
-        assert pdl.args(device) == {"PDL": False}
+        assert pdl.args(device) == {"PDL": 0}
     assert pdl.enabled(device)  # restored
     monkeypatch.setenv("RADIXSERVE_PDL", "0")
-    assert pdl.args(device) == {"PDL": False}
+    assert pdl.args(device) == {"PDL": 0}
     monkeypatch.delenv("RADIXSERVE_PDL")
     monkeypatch.setattr(pdl, "_capable", {0: False})  # an A100: griddepcontrol is sm_90+
-    assert pdl.args(device) == {"PDL": False}
+    assert pdl.args(device) == {"PDL": 0}
 
 
 def test_off_on_the_cpu_and_under_the_interpreter(hopper, monkeypatch):
-    assert pdl.args(torch.device("cpu")) == {"PDL": False}
+    assert pdl.args(torch.device("cpu")) == {"PDL": 0}
     monkeypatch.setattr(pdl, "_INTERPRET", True)
-    assert pdl.args(torch.device("cuda", 0)) == {"PDL": False}
+    assert pdl.args(torch.device("cuda", 0)) == {"PDL": 0}

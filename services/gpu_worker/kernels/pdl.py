@@ -5,7 +5,11 @@ and between two kernels of a CUDA graph the GPU idles while the first one drains
 placed. Launched with PDL, a kernel starts while the kernel before it still runs: its programs become resident, may
 read what no kernel of the step writes (a layer's weights), and then block in `griddepcontrol.wait` until the kernel
 before has finished and its writes are visible. Each kernel lets the next one start as soon as its own programs have
-passed that wait.
+passed that wait (`gdc_launch_dependents`; without it the next one starts when this one ends, the `wait_only` A/B).
+
+Tried before (docs/perf-log/2026-12-03.md) when a batch-1 step's projections ran on cuBLAS: slower, because the
+Triton kernel after each GEMM held SM resources the GEMM's later programs needed. Since then every kernel of a
+batch-1 step is ours (kernels/gemv.py for the projections and the LM head).
 
 The contract, for every kernel launched with `launch_pdl`: call `wait(PDL)` before the first load of anything a
 kernel of the step writes, and before the first store. Reads of weights may come first. `args(device)` pairs the
@@ -27,6 +31,7 @@ import triton.language as tl
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _capable: dict[int, bool] = {}
 _forced_off = False
+_wait_only = False
 
 
 def enabled(device: torch.device) -> bool:
@@ -41,7 +46,9 @@ def enabled(device: torch.device) -> bool:
 
 def args(device: torch.device) -> dict:
     """A launch's keyword arguments: the kernel's PDL constexpr, and the launch attribute when on."""
-    return {"PDL": True, "launch_pdl": True} if enabled(device) else {"PDL": False}
+    if not enabled(device):
+        return {"PDL": 0}
+    return {"PDL": 1 if _wait_only else 2, "launch_pdl": True}
 
 
 @contextlib.contextmanager
@@ -55,9 +62,22 @@ def disabled():
         _forced_off = saved
 
 
+@contextlib.contextmanager
+def wait_only():
+    """Kernels inside wait for the one before but do not release the next early (it starts when they end)."""
+    global _wait_only
+    saved, _wait_only = _wait_only, True
+    try:
+        yield
+    finally:
+        _wait_only = saved
+
+
 @triton.jit
 def wait(PDL: tl.constexpr):
-    """Block until the kernel before has finished and its writes are visible, then let the next kernel start."""
+    """PDL 0: nothing. 1: block until the kernel before has finished and its writes are visible. 2: then also let
+    the next kernel start."""
     if PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if PDL == 2:
+            tl.extra.cuda.gdc_launch_dependents()
