@@ -29,6 +29,7 @@ import torch
 
 from services.gpu_worker.attention.base import AttentionBackend, AttentionMetadata
 from services.gpu_worker.batch_policy import ScheduledItem
+from services.gpu_worker.kernels import pdl
 from services.gpu_worker.kernels.argmax import argmax_rows
 from services.gpu_worker.kv_cache import KVCache
 from services.gpu_worker.model.llama import LlamaForCausalLM
@@ -97,7 +98,9 @@ class DecodeGraphs:
         hidden = self.model(self.input_ids[:bucket], self.positions[:bucket], self.kv, self._meta(bucket),
                             self.backend, fed=(self.feed_src[:bucket], self.tokens))
         logits = self.model.logits(hidden)  # [bucket, vocab] fp32
-        argmax_rows(logits, out=self.tokens[:bucket])
+        # the argmax after the GEMV's LM head: PDL as the step's other kernels (kernels/pdl.py)
+        with pdl.scope(self.model.is_fused and bucket <= self.model.gemv_max_tokens):
+            argmax_rows(logits, out=self.tokens[:bucket])
         return logits
 
     def capture(self) -> None:

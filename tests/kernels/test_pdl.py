@@ -14,14 +14,22 @@ def hopper(monkeypatch):
     monkeypatch.delenv("RADIXSERVE_PDL", raising=False)
 
 
-def test_on_for_hopper_with_the_launch_attribute(hopper):
-    assert pdl.args(torch.device("cuda", 0)) == {"PDL": 2, "launch_pdl": True}
-    with pdl.wait_only():
-        assert pdl.args(torch.device("cuda", 0)) == {"PDL": 1, "launch_pdl": True}
+def test_on_for_hopper_inside_a_step_of_our_kernels_only(hopper):
+    device = torch.device("cuda", 0)
+    assert pdl.args(device) == {"PDL": 0}  # outside any scope: a cuBLAS GEMM may be next to the kernel
+    with pdl.scope(True):
+        assert pdl.args(device) == {"PDL": 2, "launch_pdl": True}
+        with pdl.wait_only():
+            assert pdl.args(device) == {"PDL": 1, "launch_pdl": True}
+        with pdl.scope(False):
+            assert pdl.args(device) == {"PDL": 0}
+        assert pdl.enabled(device)
+    assert not pdl.enabled(device)
 
 
 def test_off_by_environment_in_the_ab_context_and_on_older_gpus(hopper, monkeypatch):
     device = torch.device("cuda", 0)
+    monkeypatch.setattr(pdl, "_in_scope", True)
     with pdl.disabled():
         assert pdl.args(device) == {"PDL": 0}
     assert pdl.enabled(device)  # restored
@@ -33,6 +41,7 @@ def test_off_by_environment_in_the_ab_context_and_on_older_gpus(hopper, monkeypa
 
 
 def test_off_on_the_cpu_and_under_the_interpreter(hopper, monkeypatch):
+    monkeypatch.setattr(pdl, "_in_scope", True)
     assert pdl.args(torch.device("cpu")) == {"PDL": 0}
     monkeypatch.setattr(pdl, "_INTERPRET", True)
     assert pdl.args(torch.device("cuda", 0)) == {"PDL": 0}

@@ -357,8 +357,9 @@ def test_programmatic_dependent_launch_changes_no_bit(case):
     graphs. A kernel that read or wrote before its griddepcontrol.wait would race the kernel before it."""
     from services.gpu_worker.kernels import pdl
 
-    if not pdl.enabled(torch.device("cuda")):
-        pytest.skip("PDL needs compute capability 9.0 or later")
+    with pdl.scope(True):
+        if not pdl.enabled(torch.device("cuda")):
+            pytest.skip("PDL needs compute capability 9.0 or later")
     preset, _, quantization = case.partition("@")
     if preset == "tiny-qwen3-moe":
         loaded = _tiny_qwen3_moe(torch.bfloat16, "cuda")
@@ -374,3 +375,28 @@ def test_programmatic_dependent_launch_changes_no_bit(case):
             for p, q in zip(plain, with_pdl, strict=True):
                 assert p.token_ids == q.token_ids
                 assert [lp.logprob for lp in p.logprobs] == [lp.logprob for lp in q.logprobs]
+
+
+def test_only_steps_on_the_gemv_launch_with_pdl_cpu_interpreter(monkeypatch):
+    """kernels/pdl.py's scope: a step of at most gemv_max_tokens tokens (projections on kernels/gemv.py: only our
+    kernels) is inside pdl.scope(True), and its kernels ask pdl.args how to launch; a longer step (cuBLAS
+    projections) is outside, so no kernel there is released early beside a GEMM."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter (CPU) only")
+    from services.gpu_worker.kernels import pdl
+    from services.gpu_worker.model import fused
+
+    steps, launches = [], []
+    real_forward, real_args = fused._forward, pdl.args
+    monkeypatch.setattr(fused, "_forward", lambda model, ids, *a: steps.append((ids.shape[0], pdl._in_scope))
+                        or real_forward(model, ids, *a))
+    monkeypatch.setattr(pdl, "args", lambda device: launches.append(pdl._in_scope) or real_args(device))
+    loaded = load_model("random:tiny-llama", dtype=torch.float32, seed=1)
+    config = EngineConfig(model="random:tiny-llama", device=DEVICE, dtype="float32", num_pages=64, page_size=16,
+                          attention_backend="triton", gemv_max_tokens=1, enable_cuda_graphs=False)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    Engine(config, loaded=loaded).generate(_prompts(loaded.config.vocab_size, 1, 14), params)
+    assert {t for t, _ in steps} >= {1} and any(t > 1 for t, _ in steps)  # the prompt's prefill, then decodes
+    assert all(in_scope == (t == 1) for t, in_scope in steps)
+    assert True in launches and False in launches
+    assert not pdl._in_scope

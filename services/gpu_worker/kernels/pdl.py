@@ -11,6 +11,11 @@ Tried before (docs/perf-log/2026-12-03.md) when a batch-1 step's projections ran
 Triton kernel after each GEMM held SM resources the GEMM's later programs needed. Since then every kernel of a
 batch-1 step is ours (kernels/gemv.py for the projections and the LM head).
 
+Only where every kernel of the step is ours: the steps that run the projections on kernels/gemv.py (a decode step
+of one token on one GPU by default), which the model marks with `scope(True)`. Elsewhere a cuBLAS GEMM sits between
+our kernels, and a Triton kernel released early by it would hold SM resources the GEMM's later programs need (the
+2026-12-03 measurement below).
+
 The contract, for every kernel launched with `launch_pdl`: call `wait(PDL)` before the first load of anything a
 kernel of the step writes, and before the first store. Reads of weights may come first. `args(device)` pairs the
 kernel's PDL constexpr with the launch attribute, so the two cannot disagree; a kernel launched without the attribute
@@ -32,11 +37,13 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _capable: dict[int, bool] = {}
 _forced_off = False
 _wait_only = False
+_in_scope = False
 
 
 def enabled(device: torch.device) -> bool:
-    """Whether kernels launched for `device` use PDL."""
-    if _forced_off or _INTERPRET or device.type != "cuda" or os.environ.get("RADIXSERVE_PDL", "1") == "0":
+    """Whether kernels launched for `device` now use PDL: inside scope(True), on a capable GPU, not switched off."""
+    if not _in_scope or _forced_off or _INTERPRET or device.type != "cuda" or \
+            os.environ.get("RADIXSERVE_PDL", "1") == "0":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _capable:
@@ -49,6 +56,17 @@ def args(device: torch.device) -> dict:
     if not enabled(device):
         return {"PDL": 0}
     return {"PDL": 1 if _wait_only else 2, "launch_pdl": True}
+
+
+@contextlib.contextmanager
+def scope(on: bool):
+    """Launches inside use PDL if `on` (the caller's step runs only our kernels) and the device can."""
+    global _in_scope
+    saved, _in_scope = _in_scope, on
+    try:
+        yield
+    finally:
+        _in_scope = saved
 
 
 @contextlib.contextmanager

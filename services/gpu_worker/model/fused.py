@@ -29,6 +29,7 @@ from torch import nn
 
 from services.gpu_worker.attention.base import AttentionBackend, AttentionMetadata
 from services.gpu_worker.kernels import gemv as triton_gemv
+from services.gpu_worker.kernels import pdl
 from services.gpu_worker.kernels.embedding import embedding_fed
 from services.gpu_worker.kernels.moe_routing import norm_router
 from services.gpu_worker.kernels.rms_norm import rms_norm, rms_norm_heads_
@@ -134,7 +135,15 @@ def forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, 
             fed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """input_ids, positions: [T] int32/int64 → hidden [T, hidden] after the final norm.
 
-    fed = (src [T], prev): row i's input token is prev[src[i]] where src[i] ≥ 0 (kernels/embedding.py)."""
+    fed = (src [T], prev): row i's input token is prev[src[i]] where src[i] ≥ 0 (kernels/embedding.py).
+    A step on the Triton GEMV runs only our kernels, so they launch with PDL where the GPU has it (kernels/pdl.py)."""
+    with pdl.scope(0 < input_ids.shape[0] <= model.gemv_max_tokens):
+        return _forward(model, input_ids, positions, cache, meta, backend, fed)
+
+
+def _forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+             meta: AttentionMetadata, backend: AttentionBackend,
+             fed: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     eps = model.config.rms_norm_eps
     if fed is None:
         h = model.model.embed_tokens(input_ids)  # [T, hidden]

@@ -184,9 +184,11 @@ class LlamaForCausalLM(nn.Module):
         """hidden: [B, hidden] → [B, vocab] fp32."""
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         if self.is_fused and 0 < hidden.shape[0] <= self.gemv_max_tokens:
+            from services.gpu_worker.kernels import pdl
             from services.gpu_worker.kernels.gemv import gemv
 
-            return gemv(hidden, weight).float()
+            with pdl.scope(True):  # after the forward's last kernel, ours too
+                return gemv(hidden, weight).float()
         return F.linear(hidden, weight).float()
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], local: dict[str, torch.Tensor] | None = None,
