@@ -7,14 +7,12 @@ read what no kernel of the step writes (a layer's weights), and then block in `g
 before has finished and its writes are visible. Each kernel lets the next one start as soon as its own programs have
 passed that wait (`gdc_launch_dependents`; without it the next one starts when this one ends, the `wait_only` A/B).
 
-Tried before (docs/perf-log/2026-12-03.md) when a batch-1 step's projections ran on cuBLAS: slower, because the
-Triton kernel after each GEMM held SM resources the GEMM's later programs needed. Since then every kernel of a
-batch-1 step is ours (kernels/gemv.py for the projections and the LM head).
-
 Only where every kernel of the step is ours: the steps that run the projections on kernels/gemv.py (a decode step
 of one token on one GPU by default), which the model marks with `scope(True)`. Elsewhere a cuBLAS GEMM sits between
-our kernels, and a Triton kernel released early by it would hold SM resources the GEMM's later programs need (the
-2026-12-03 measurement below).
+our kernels, and a Triton kernel it releases early holds SM resources the GEMM's later programs need: that made PDL
+slower when a batch-1 step's projections still ran on cuBLAS (docs/perf-log/2026-12-03.md). On an H100 it took
+Qwen3-30B-A3B's batch-1 step from 3.259 to 2.954 ms, Llama-3.1-8B's from 5.463 to 5.362 (wait only: 3.054, 5.388;
+bench/results/h100_20261207_s24/model_speed_pdl_ab.json).
 
 The contract, for every kernel launched with `launch_pdl`: call `wait(PDL)` before the first load of anything a
 kernel of the step writes, and before the first store. Reads of weights may come first. `args(device)` pairs the
