@@ -26,8 +26,8 @@
 #    engine's tokens with and without it; the batch-1 step of the MoE and of Llama-3.1-8B with and without it.
 # v: PDL only in steps of our kernels (pdl.scope): the engine's bit-equality, the MoE batch-1 step with and without
 #    it, the MoE served batch-1 TPOT and W0 with serve's defaults (issue 27).
-# w: on an H200 with little device time left: the engine's PDL bit-equality, then the served W1 and W0 of
-#    Llama-3.1-8B with serve's defaults (issue 24; plan c adds W6).
+# w: on an H200 with little device time left: the MoE batch-1 step against its H200 bound with and without PDL
+#    (issue 27), the engine's PDL bit-equality, the served W1 and W0 of Llama-3.1-8B with defaults (issue 24).
 # o: after plan m's tiles became the defaults: the MoE GPU tests, the model's steps, the grouped GEMM by tile from 32
 #    to 8,192 tokens (batched decode and prefill), the served W0 (issue 27).
 set -u
@@ -106,9 +106,10 @@ case "$plan" in
             "servemoe|150|SUITE_TIMEOUT_S=145 bash bench/served_gpu.sh moe b1,w0 --serve-args '--model random:qwen3-30b-a3b --device cuda'"
         ;;
     w)
-        bash bench/device_steps.sh "${PLAN_BUDGET_S:-420}" \
+        bash bench/device_steps.sh "${PLAN_BUDGET_S:-480}" \
+            "moe|80|python -m bench.model_speed --presets qwen3-30b-a3b,qwen3-30b-a3b:no_pdl --max-num-seqs 1 --out $S/ms_moe" \
             "pdltest|90|python -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_triton_engine.py -k programmatic" \
-            "served|310|SUITE_TIMEOUT_S=300 bash bench/served_gpu.sh r1 w1,w0"
+            "served|300|SUITE_TIMEOUT_S=290 bash bench/served_gpu.sh r1 w1,w0"
         ;;
     c)
         SUITE_TIMEOUT_S=545 bash bench/served_gpu.sh r1 w1,w0,w6 --w6-duration-s 300 --w6-concurrency 512
