@@ -101,15 +101,15 @@ case "$plan" in
         ;;
     v)
         bash bench/device_steps.sh "${PLAN_BUDGET_S:-400}" \
-            "pdltest|90|python -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_triton_engine.py -k programmatic" \
             "pdl|100|python -m bench.model_speed --presets qwen3-30b-a3b,qwen3-30b-a3b:no_pdl --max-num-seqs 1 --out $S/ms_pdl" \
+            "pdltest|90|python -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_triton_engine.py -k programmatic" \
             "servemoe|150|SUITE_TIMEOUT_S=145 bash bench/served_gpu.sh moe b1,w0 --serve-args '--model random:qwen3-30b-a3b --device cuda'"
         ;;
     w)
         bash bench/device_steps.sh "${PLAN_BUDGET_S:-480}" \
             "moe|80|python -m bench.model_speed --presets qwen3-30b-a3b,qwen3-30b-a3b:no_pdl --max-num-seqs 1 --out $S/ms_moe" \
-            "pdltest|90|python -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_triton_engine.py -k programmatic" \
-            "served|300|SUITE_TIMEOUT_S=290 bash bench/served_gpu.sh r1 w1,w0"
+            "served|250|SUITE_TIMEOUT_S=240 bash bench/served_gpu.sh r1 w1,w0" \
+            "pdltest|90|python -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_triton_engine.py -k programmatic"
         ;;
     c)
         SUITE_TIMEOUT_S=545 bash bench/served_gpu.sh r1 w1,w0,w6 --w6-duration-s 300 --w6-concurrency 512
