@@ -400,3 +400,36 @@ def test_only_steps_on_the_gemv_launch_with_pdl_cpu_interpreter(monkeypatch):
     assert all(in_scope == (t == 1) for t, in_scope in steps)
     assert True in launches and False in launches
     assert not pdl._in_scope
+
+
+def test_decode_graph_argmax_launches_with_pdl_only_after_a_gemv_step_cpu_interpreter(monkeypatch):
+    """cuda_graphs.DecodeGraphs._run (what each graph captures, run here without capture): the argmax after a
+    bucket of gemv_max_tokens rows or fewer launches inside pdl.scope(True) with the forward and the LM head, a
+    larger bucket's outside it."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter (CPU) only")
+    from services.gpu_worker import cuda_graphs
+    from services.gpu_worker.kernels import pdl
+
+    loaded = load_model("random:tiny-llama", dtype=torch.float32, seed=1)
+    config = EngineConfig(model="random:tiny-llama", device=DEVICE, dtype="float32", num_pages=16, page_size=16,
+                          attention_backend="triton", gemv_max_tokens=1)
+    runner = Engine(config, loaded=loaded).runner
+    bm, width = 2, 4
+    graphs = cuda_graphs.DecodeGraphs.__new__(cuda_graphs.DecodeGraphs)  # the buffers __init__ pins on CUDA
+    graphs.model, graphs.kv, graphs.backend, graphs.page_size, graphs.width = \
+        runner.model, runner.kv, runner.backend, 16, width
+    graphs.input_ids, graphs.positions = torch.zeros(bm, dtype=torch.int32), torch.zeros(bm, dtype=torch.int32)
+    graphs.slots, graphs.seq_lens = torch.arange(bm, dtype=torch.int32) + 16, torch.ones(bm, dtype=torch.int32)
+    graphs.feed_src = torch.full((bm,), -1, dtype=torch.int32)
+    graphs.page_table = torch.ones((bm, width), dtype=torch.int32)
+    graphs.tokens = torch.zeros(bm, dtype=torch.int64)
+    graphs.query_start = torch.arange(bm + 1, dtype=torch.int32)
+    argmax_scopes = []
+    real_argmax = cuda_graphs.argmax_rows
+    monkeypatch.setattr(cuda_graphs, "argmax_rows",
+                        lambda logits, out: argmax_scopes.append(pdl._in_scope) or real_argmax(logits, out=out))
+    for bucket in (1, 2):
+        logits = graphs._run(bucket)
+        assert torch.equal(graphs.tokens[:bucket], logits.argmax(-1))
+    assert argmax_scopes == [True, False] and not pdl._in_scope
