@@ -98,8 +98,7 @@ class DecodeGraphs:
         hidden = self.model(self.input_ids[:bucket], self.positions[:bucket], self.kv, self._meta(bucket),
                             self.backend, fed=(self.feed_src[:bucket], self.tokens))
         logits = self.model.logits(hidden)  # [bucket, vocab] fp32
-        # the argmax after the GEMV's LM head: PDL as the step's other kernels (kernels/pdl.py)
-        with pdl.scope(self.model.is_fused and bucket <= self.model.gemv_max_tokens):
+        with pdl.scope(self.model.runs_only_our_kernels(bucket)):  # as the forward's and LM head's (kernels/pdl.py)
             argmax_rows(logits, out=self.tokens[:bucket])
         return logits
 

@@ -403,9 +403,10 @@ def test_only_steps_on_the_gemv_launch_with_pdl_cpu_interpreter(monkeypatch):
 
 
 def test_decode_graph_argmax_launches_with_pdl_only_after_a_gemv_step_cpu_interpreter(monkeypatch):
-    """cuda_graphs.DecodeGraphs._run (what each graph captures, run here without capture): the argmax after a
-    bucket of gemv_max_tokens rows or fewer launches inside pdl.scope(True) with the forward and the LM head, a
-    larger bucket's outside it."""
+    """cuda_graphs.DecodeGraphs._run (what each graph captures, run here without capture): the argmax of a bucket of
+    one row launches inside pdl.scope(True) with the forward and the LM head; a bucket of two outside it, even on
+    the GEMV (gemv_max_tokens 2), where an FP8 layer would run torch._scaled_mm
+    (LlamaForCausalLM.runs_only_our_kernels)."""
     if torch.cuda.is_available():
         pytest.skip("interpreter (CPU) only")
     from services.gpu_worker import cuda_graphs
@@ -413,7 +414,7 @@ def test_decode_graph_argmax_launches_with_pdl_only_after_a_gemv_step_cpu_interp
 
     loaded = load_model("random:tiny-llama", dtype=torch.float32, seed=1)
     config = EngineConfig(model="random:tiny-llama", device=DEVICE, dtype="float32", num_pages=16, page_size=16,
-                          attention_backend="triton", gemv_max_tokens=1)
+                          attention_backend="triton", gemv_max_tokens=2)
     runner = Engine(config, loaded=loaded).runner
     bm, width = 2, 4
     graphs = cuda_graphs.DecodeGraphs.__new__(cuda_graphs.DecodeGraphs)  # the buffers __init__ pins on CUDA

@@ -7,12 +7,12 @@ read what no kernel of the step writes (a layer's weights), and then block in `g
 before has finished and its writes are visible. Each kernel lets the next one start as soon as its own programs have
 passed that wait (`gdc_launch_dependents`; without it the next one starts when this one ends, the `wait_only` A/B).
 
-Only where every kernel of the step is ours: the steps that run the projections on kernels/gemv.py (a decode step
-of one token on one GPU by default), which the model marks with `scope(True)`. Elsewhere a cuBLAS GEMM sits between
-our kernels, and a Triton kernel it releases early holds SM resources the GEMM's later programs need: that made PDL
-slower when a batch-1 step's projections still ran on cuBLAS (docs/perf-log/2026-12-03.md). On an H100 it took
-Qwen3-30B-A3B's batch-1 step from 3.259 to 2.954 ms, Llama-3.1-8B's from 5.463 to 5.362 (wait only: 3.054, 5.388;
-bench/results/h100_20261207_s24/model_speed_pdl_ab.json).
+Only where every kernel of the step is ours: a step of one token with the projections on kernels/gemv.py (one GPU,
+the default), which the model marks with `scope(True)` (LlamaForCausalLM.runs_only_our_kernels). Elsewhere a cuBLAS
+GEMM sits between our kernels, and a Triton kernel it releases early holds SM resources the GEMM's later programs
+need: that made PDL slower when a batch-1 step's projections still ran on cuBLAS (docs/perf-log/2026-12-03.md). On
+an H100 it took Qwen3-30B-A3B's batch-1 step from 3.259 to 2.954 ms, Llama-3.1-8B's from 5.463 to 5.362 (wait only:
+3.054, 5.388; bench/results/h100_20261207_s24/model_speed_pdl_ab.json).
 
 The contract, for every kernel launched with `launch_pdl`: call `wait(PDL)` before the first load of anything a
 kernel of the step writes, and before the first store. Reads of weights may come first. `args(device)` pairs the

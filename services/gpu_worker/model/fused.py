@@ -136,8 +136,8 @@ def forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, 
     """input_ids, positions: [T] int32/int64 → hidden [T, hidden] after the final norm.
 
     fed = (src [T], prev): row i's input token is prev[src[i]] where src[i] ≥ 0 (kernels/embedding.py).
-    A step on the Triton GEMV runs only our kernels, so they launch with PDL where the GPU has it (kernels/pdl.py)."""
-    with pdl.scope(0 < input_ids.shape[0] <= model.gemv_max_tokens):
+    A step of only our kernels (model.runs_only_our_kernels) launches them with PDL where the GPU has it."""
+    with pdl.scope(model.runs_only_our_kernels(input_ids.shape[0])):
         return _forward(model, input_ids, positions, cache, meta, backend, fed)
 
 

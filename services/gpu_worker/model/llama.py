@@ -179,6 +179,11 @@ class LlamaForCausalLM(nn.Module):
         """input_ids: [T] → [T, hidden]: the embedding rows (a family may scale them: gemma2.py)."""
         return self.model.embed_tokens(input_ids)
 
+    def runs_only_our_kernels(self, num_tokens: int) -> bool:
+        """Whether a step of num_tokens launches no cuBLAS GEMM, so its kernels may use PDL (kernels/pdl.py): one
+        token on the Triton GEMV. (With gemv_max_tokens > 1 an FP8 layer takes torch._scaled_mm from two tokens.)"""
+        return self.is_fused and num_tokens == 1 and self.gemv_max_tokens >= 1
+
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [B, hidden] → [B, vocab] fp32."""
@@ -187,7 +192,7 @@ class LlamaForCausalLM(nn.Module):
             from services.gpu_worker.kernels import pdl
             from services.gpu_worker.kernels.gemv import gemv
 
-            with pdl.scope(True):  # after the forward's last kernel, ours too
+            with pdl.scope(self.runs_only_our_kernels(hidden.shape[0])):
                 return gemv(hidden, weight).float()
         return F.linear(hidden, weight).float()
 
