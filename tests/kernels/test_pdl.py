@@ -11,7 +11,7 @@ def hopper(monkeypatch):
     """A compiled (not interpreted) Triton and a CUDA device 0 of compute capability 9.0."""
     monkeypatch.setattr(pdl, "_INTERPRET", False)
     monkeypatch.setattr(pdl, "_capable", {0: True})
-    monkeypatch.delenv("RADIXSERVE_PDL", raising=False)
+    monkeypatch.setattr(pdl, "_SWITCHED_OFF", False)
 
 
 def test_on_for_hopper_inside_a_step_of_our_kernels_only(hopper):
@@ -29,19 +29,19 @@ def test_on_for_hopper_inside_a_step_of_our_kernels_only(hopper):
 
 def test_off_by_environment_in_the_ab_context_and_on_older_gpus(hopper, monkeypatch):
     device = torch.device("cuda", 0)
-    monkeypatch.setattr(pdl, "_in_scope", True)
+    monkeypatch.setitem(pdl._state, "in_scope", True)
     with pdl.disabled():
         assert pdl.args(device) == {"PDL": 0}
     assert pdl.enabled(device)  # restored
-    monkeypatch.setenv("RADIXSERVE_PDL", "0")
+    monkeypatch.setattr(pdl, "_SWITCHED_OFF", True)  # RADIXSERVE_PDL=0 at import
     assert pdl.args(device) == {"PDL": 0}
-    monkeypatch.delenv("RADIXSERVE_PDL")
+    monkeypatch.setattr(pdl, "_SWITCHED_OFF", False)
     monkeypatch.setattr(pdl, "_capable", {0: False})  # an A100: griddepcontrol is sm_90+
     assert pdl.args(device) == {"PDL": 0}
 
 
 def test_off_on_the_cpu_and_under_the_interpreter(hopper, monkeypatch):
-    monkeypatch.setattr(pdl, "_in_scope", True)
+    monkeypatch.setitem(pdl._state, "in_scope", True)
     assert pdl.args(torch.device("cpu")) == {"PDL": 0}
     monkeypatch.setattr(pdl, "_INTERPRET", True)
     assert pdl.args(torch.device("cuda", 0)) == {"PDL": 0}

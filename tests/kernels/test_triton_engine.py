@@ -388,9 +388,9 @@ def test_only_steps_on_the_gemv_launch_with_pdl_cpu_interpreter(monkeypatch):
 
     steps, launches = [], []
     real_forward, real_args = fused._forward, pdl.args
-    monkeypatch.setattr(fused, "_forward", lambda model, ids, *a: steps.append((ids.shape[0], pdl._in_scope))
+    monkeypatch.setattr(fused, "_forward", lambda model, ids, *a: steps.append((ids.shape[0], pdl.in_scope()))
                         or real_forward(model, ids, *a))
-    monkeypatch.setattr(pdl, "args", lambda device: launches.append(pdl._in_scope) or real_args(device))
+    monkeypatch.setattr(pdl, "args", lambda device: launches.append(pdl.in_scope()) or real_args(device))
     loaded = load_model("random:tiny-llama", dtype=torch.float32, seed=1)
     config = EngineConfig(model="random:tiny-llama", device=DEVICE, dtype="float32", num_pages=64, page_size=16,
                           attention_backend="triton", gemv_max_tokens=1, enable_cuda_graphs=False)
@@ -399,7 +399,7 @@ def test_only_steps_on_the_gemv_launch_with_pdl_cpu_interpreter(monkeypatch):
     assert {t for t, _ in steps} >= {1} and any(t > 1 for t, _ in steps)  # the prompt's prefill, then decodes
     assert all(in_scope == (t == 1) for t, in_scope in steps)
     assert True in launches and False in launches
-    assert not pdl._in_scope
+    assert not pdl.in_scope()
 
 
 def test_decode_graph_argmax_launches_with_pdl_only_after_a_gemv_step_cpu_interpreter(monkeypatch):
@@ -429,8 +429,8 @@ def test_decode_graph_argmax_launches_with_pdl_only_after_a_gemv_step_cpu_interp
     argmax_scopes = []
     real_argmax = cuda_graphs.argmax_rows
     monkeypatch.setattr(cuda_graphs, "argmax_rows",
-                        lambda logits, out: argmax_scopes.append(pdl._in_scope) or real_argmax(logits, out=out))
+                        lambda logits, out: argmax_scopes.append(pdl.in_scope()) or real_argmax(logits, out=out))
     for bucket in (1, 2):
         logits = graphs._run(bucket)
         assert torch.equal(graphs.tokens[:bucket], logits.argmax(-1))
-    assert argmax_scopes == [True, False] and not pdl._in_scope
+    assert argmax_scopes == [True, False] and not pdl.in_scope()

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from services.gpu_worker.kernels import pdl
 
+
 class GemvTile(NamedTuple):
     block_n: int  # weight rows a program owns (per half, for gate_up)
     block_k: int  # columns a step

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from services.gpu_worker.kernels import pdl
+
 # A program's warps. Its 2·TOP_K reductions over E logits run one after another; in one warp each is register
 # shuffles only, in several each also crosses warps through shared memory behind a barrier. On an H100, 128 experts
 # top-8 (kernel_table --moe-gemv-sweep, 2026-12-07), µs at 1 / 64 / 256 tokens: 1 warp 2.81 / 2.96 / 3.05, 2 warps

@@ -19,8 +19,9 @@ kernel of the step writes, and before the first store. Reads of weights may come
 kernel's PDL constexpr with the launch attribute, so the two cannot disagree; a kernel launched without the attribute
 (any cuBLAS or torch kernel between two of ours) waits for the one before it as usual, which keeps the chain safe.
 
-On by default on CUDA devices of compute capability 9.0 and later; RADIXSERVE_PDL=0 turns it off (an A/B, or a
-driver that mishandles it). Off under TRITON_INTERPRET=1 and on older GPUs, where the kernels compile without it.
+On by default on CUDA devices of compute capability 9.0 and later; RADIXSERVE_PDL=0 at start-up turns it off (an
+A/B, or a driver that mishandles it). Off under TRITON_INTERPRET=1 and on older GPUs, where the kernels compile
+without it.
 """
 from __future__ import annotations
 
@@ -31,17 +32,16 @@ import torch
 import triton
 import triton.language as tl
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as triton.jit does
+_SWITCHED_OFF = os.environ.get("RADIXSERVE_PDL", "1") == "0"
 _capable: dict[int, bool] = {}
-_forced_off = False
-_wait_only = False
-_in_scope = False
+# what the context managers below set: whether the step runs only our kernels, the A/B's forced off and wait-only
+_state = {"in_scope": False, "forced_off": False, "wait_only": False}
 
 
 def enabled(device: torch.device) -> bool:
     """Whether kernels launched for `device` now use PDL: inside scope(True), on a capable GPU, not switched off."""
-    if not _in_scope or _forced_off or _INTERPRET or device.type != "cuda" or \
-            os.environ.get("RADIXSERVE_PDL", "1") == "0":
+    if not _state["in_scope"] or _state["forced_off"] or _SWITCHED_OFF or _INTERPRET or device.type != "cuda":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _capable:
@@ -53,40 +53,35 @@ def args(device: torch.device) -> dict:
     """A launch's keyword arguments: the kernel's PDL constexpr, and the launch attribute when on."""
     if not enabled(device):
         return {"PDL": 0}
-    return {"PDL": 1 if _wait_only else 2, "launch_pdl": True}
+    return {"PDL": 1 if _state["wait_only"] else 2, "launch_pdl": True}
 
 
 @contextlib.contextmanager
+def _setting(key: str, value: bool):
+    saved, _state[key] = _state[key], value
+    try:
+        yield
+    finally:
+        _state[key] = saved
+
+
 def scope(on: bool):
     """Launches inside use PDL if `on` (the caller's step runs only our kernels) and the device can."""
-    global _in_scope
-    saved, _in_scope = _in_scope, on
-    try:
-        yield
-    finally:
-        _in_scope = saved
+    return _setting("in_scope", on)
 
 
-@contextlib.contextmanager
+def in_scope() -> bool:
+    return _state["in_scope"]
+
+
 def disabled():
     """PDL off for the launches inside (and the CUDA graphs captured inside): the A/B of bench/model_speed.py."""
-    global _forced_off
-    saved, _forced_off = _forced_off, True
-    try:
-        yield
-    finally:
-        _forced_off = saved
+    return _setting("forced_off", True)
 
 
-@contextlib.contextmanager
 def wait_only():
     """Kernels inside wait for the one before but do not release the next early (it starts when they end)."""
-    global _wait_only
-    saved, _wait_only = _wait_only, True
-    try:
-        yield
-    finally:
-        _wait_only = saved
+    return _setting("wait_only", True)
 
 
 @triton.jit
