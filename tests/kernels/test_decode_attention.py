@@ -116,3 +116,44 @@ def test_decode_rope_same_cache_bits_as_rope_kv_write(num_splits):
     unfused = decode_attention(q2, k2, v2, table, lens, num_splits)
     assert torch.equal(k_cache, k2) and torch.equal(v_cache, v2)
     assert rel_err(out, unfused) < 1e-2
+
+
+def _check_qk_norm(seq_lens, num_heads, num_kv_heads, head_dim, num_splits, dtype):
+    """decode_attention_rope with qk_norm against rms_norm_heads_ (its own launch) then decode_attention_rope: the
+    same K/V cache and the same output."""
+    from services.gpu_worker.kernels.rms_norm import rms_norm_heads_
+
+    q, k, v, positions, inv_freq, k_cache, v_cache, slots, table, lens = _new_token_step(
+        seq_lens, num_heads, num_kv_heads, head_dim, 4 if DEVICE == "cpu" else 16, dtype, 5)
+    gen = torch.Generator().manual_seed(3)
+    q_weight = (1 + randn((head_dim,), gen, torch.float32, DEVICE)).to(dtype)
+    k_weight = (1 + randn((head_dim,), gen, torch.float32, DEVICE)).to(dtype)
+    q, k = q * 4, k * 4  # norms far from 1: a norm left out changes the output
+    k2, v2 = k_cache.clone(), v_cache.clone()
+    qk = torch.cat([q, k], dim=1)  # [B, H + KVH, D], normed in place below
+    rms_norm_heads_(qk, q_weight, k_weight, num_heads, 1e-6)
+    unfused = decode_attention_rope(qk[:, :num_heads], qk[:, num_heads:], v, positions, inv_freq, k2, v2, slots,
+                                    table, lens, num_splits)
+    q_before, k_before = q.clone(), k.clone()
+    out = decode_attention_rope(q, k, v, positions, inv_freq, k_cache, v_cache, slots, table, lens, num_splits,
+                                qk_norm=(q_weight, k_weight, 1e-6))
+    assert torch.equal(q, q_before) and torch.equal(k, k_before)  # read, not normed in place
+    assert torch.equal(k_cache, k2) and torch.equal(v_cache, v2)
+    assert rel_err(out, unfused) < (1e-5 if dtype == torch.float32 else 1e-2)
+    plain = decode_attention_rope(q, k, v, positions, inv_freq, k_cache.clone(), v_cache.clone(), slots, table, lens,
+                                  num_splits)
+    assert rel_err(plain, unfused) > 0.05  # the norms matter: without them the output differs
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_rope_norms_q_and_k_as_rms_norm_heads(num_splits):
+    _check_qk_norm([1, 5, 37], num_heads=4, num_kv_heads=2, head_dim=16, num_splits=num_splits, dtype=torch.float32)
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("num_splits", [1, 32])
+def test_decode_rope_norms_q_and_k_qwen3_moe_shapes(num_splits):
+    """Qwen3-30B-A3B's heads (32 q, 4 kv, 128 dims) in bf16: the cache's bits equal the separate norm's."""
+    _check_qk_norm([1, 33, 700, 2048], num_heads=32, num_kv_heads=4, head_dim=128, num_splits=num_splits,
+                   dtype=torch.bfloat16)
