@@ -10,8 +10,7 @@ The kernel shares come from torch.profiler over decode steps (CUDA graph replays
 A preset suffixed `:torch_routing` runs the MoE router and expert sort as torch ops (softmax, topk, division; the
 dozen ops of fused_moe.align_by_expert) instead of kernels/moe_routing.py's two launches: the A/B of that lever.
 A preset suffixed `:no_pdl` launches the kernels without programmatic dependent launch (kernels/pdl.py), its A/B;
-`:pdl_wait_only` with it, but each kernel lets the next one start only when it ends. `:unfused_qk_norm` runs Qwen3's
-q/k norms in their own launch before the decode attention kernel instead of inside it.
+`:pdl_wait_only` with it, but each kernel lets the next one start only when it ends.
 A preset suffixed `@METHOD` (fp8, awq, gptq) quantizes its linear layers on load, as `serve --quantization METHOD`
 does (issue 25); its roofline counts the quantized weights' bytes (packed words and scales):
 
@@ -131,19 +130,9 @@ def _finish(engine, outs) -> None:
 def variant(name: str):
     """For the engine built inside: torch_routing: moe_routing's kernels swapped for the torch ops they replace;
     no_pdl: the kernels launched without programmatic dependent launch (kernels/pdl.py); pdl_wait_only: with it,
-    without the early release of the next kernel; unfused_qk_norm: Qwen3's q/k norms in their own launch
-    (TritonAttention.fuse_qk_norm off)."""
+    without the early release of the next kernel."""
     if not name:
         yield
-        return
-    if name == "unfused_qk_norm":
-        from services.gpu_worker.attention.triton_backend import TritonAttention
-
-        TritonAttention.fuse_qk_norm = False
-        try:
-            yield
-        finally:
-            TritonAttention.fuse_qk_norm = True
         return
     if name in ("no_pdl", "pdl_wait_only"):
         from services.gpu_worker.kernels import pdl

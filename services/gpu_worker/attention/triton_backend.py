@@ -23,10 +23,6 @@ class TritonAttention(AttentionBackend):
     """
 
     name = "triton"
-    # Qwen3's q/k norms inside the decode kernel (decode_attention_rope's qk_norm) when every sequence of the step
-    # takes it; False: their own launch (rms_norm_heads_) before it, the A/B of bench/model_speed.py's
-    # `:unfused_qk_norm`
-    fuse_qk_norm = True
 
     def __init__(self, num_sms: int | None = None, fuse_decode: bool = True,
                  mixed_decodes_to_decode_kernel: bool = True) -> None:
@@ -44,42 +40,29 @@ class TritonAttention(AttentionBackend):
         kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
         return self._attend(q, k_cache, v_cache, meta, spec)
 
-    def _rope_decodes(self, meta: AttentionMetadata) -> int:
-        """How many leading sequences (one new token each) forward_rope sends to the decode kernel."""
-        if self.fuse_decode and meta.is_decode_only:
-            return meta.num_seqs
-        if self.fuse_decode and self.mixed_decodes_to_decode_kernel:
-            return meta.num_leading_single
-        return 0
-
-    def takes_qk_norm(self, meta: AttentionMetadata) -> bool:
-        """Whether forward_rope can apply per-head q/k norms itself for this step: every sequence takes the decode
-        kernel (a decode-only step), which norms q and k in registers before rotating them."""
-        return self.fuse_qk_norm and self.fuse_decode and meta.is_decode_only and meta.num_seqs > 0
-
     def forward_rope(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                      inv_freq: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
-                     spec: LayerAttention = DEFAULT_ATTENTION,
-                     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+                     spec: LayerAttention = DEFAULT_ATTENTION) -> torch.Tensor:
         """forward() for un-rotated q and k. The leading sequences with one new token (decodes come first) run
         the split-K decode kernel with RoPE and the KV write inside it, when the step is decode-only or
         mixed_decodes_to_decode_kernel is set; the rest run RoPE + KV write in one kernel (rope_kv_write.py),
-        then the extend kernel. qk_norm = (q_weight, k_weight, eps), only where takes_qk_norm(meta): q and k are
-        RMS-normed per head inside the decode kernel.
+        then the extend kernel.
 
         Why send a mixed step's decodes to the decode kernel: the extend kernel runs one query head per
         program, so it reads each decode's KV once per head of its group."""
         k_cache, v_cache = cache.k[layer], cache.v[layer]  # [P, S, KVH, D]
-        assert qk_norm is None or self.takes_qk_norm(meta), "q/k norms in the kernel: a decode-only step only"
-        n = self._rope_decodes(meta)  # the leading sequences that take the decode kernel
+        n = 0  # the leading sequences that take the decode kernel
+        if self.fuse_decode and meta.is_decode_only:
+            n = meta.num_seqs
+        elif self.fuse_decode and self.mixed_decodes_to_decode_kernel:
+            n = meta.num_leading_single
         if n == 0:
             rope_kv_write_(q, k, v, positions, inv_freq, k_cache, v_cache, meta.slot_mapping)
             return self._attend(q, k_cache, v_cache, meta, spec)
         out = torch.empty_like(q)
         num_splits = num_splits_for(n, k_cache.shape[2], self.num_sms)
         decode_attention_rope(q[:n], k[:n], v[:n], positions[:n], inv_freq, k_cache, v_cache, meta.slot_mapping[:n],
-                              meta.page_table[:n], meta.seq_lens[:n], num_splits, out=out[:n], spec=spec,
-                              qk_norm=qk_norm)
+                              meta.page_table[:n], meta.seq_lens[:n], num_splits, out=out[:n], spec=spec)
         if n < meta.num_seqs:
             rope_kv_write_(q[n:], k[n:], v[n:], positions[n:], inv_freq, k_cache, v_cache, meta.slot_mapping[n:])
             extend_attention(q, k_cache, v_cache, meta.query_start[n:], meta.seq_lens[n:], meta.page_table[n:],

@@ -8,8 +8,7 @@ chunks' partial outputs by their log-sum-exp. With NUM_SPLITS == 1 the first ker
 decode_attention_rope() also does what rope_kv_write_ does, for a decode step: it reads the step's un-rotated
 q and k, rotates them in registers, attends to the cached keys [0, seq_len - 1) plus the new token held in
 registers, and the split that owns position seq_len - 1 writes the rotated k and v into their cache slot.
-That is one launch fewer per layer; with qk_norm (Qwen3's per-head q and k RMSNorms) it also norms q and k before
-rotating them, one more launch fewer.
+That is one launch fewer per layer.
 
 A layer's LayerAttention (attention/base.py: Gemma 2) picks other variants at compile time: SOFTCAP (logits →
 SOFTCAP · tanh(logits / SOFTCAP) before the softmax) and WINDOW (the query at seq_len - 1 sees keys
@@ -94,23 +93,12 @@ def tile_name(tile: tuple) -> str:
 
 
 @triton.jit
-def _rotate_row(x_ptrs, partner_ptrs, cos, sin, is_first_half, mask, w_ptr, offs_d, partner, eps,
-                HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr):
-    """RoPE (rotate-half) of rows of D loaded whole: x1·cos − x2·sin | x2·cos + x1·sin, fp32. QK_NORM: each row
-    RMS-normed with the weight at w_ptr [D] first, rounded as rms_norm.rms_norm_heads_ writes it.
+def _rotate_row(x_ptrs, partner_ptrs, cos, sin, is_first_half, mask):
+    """RoPE (rotate-half) of rows of D loaded whole: x1·cos − x2·sin | x2·cos + x1·sin, fp32.
 
     NOTE: written as rope._rotate's two expressions (selected, not merged) so the rounding is the same."""
-    x = tl.load(x_ptrs, mask=mask, other=0.0)
-    xp = tl.load(partner_ptrs, mask=mask, other=0.0)
-    if QK_NORM:
-        x32 = x.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=-1, keep_dims=True) / HEAD_DIM + eps)
-        w = tl.load(w_ptr + offs_d).to(tl.float32)
-        wp = tl.load(w_ptr + partner).to(tl.float32)
-        x = ((x32 * rstd).to(x.dtype).to(tl.float32) * w).to(x.dtype)
-        xp = ((xp.to(tl.float32) * rstd).to(xp.dtype).to(tl.float32) * wp).to(xp.dtype)
-    x = x.to(tl.float32)
-    xp = xp.to(tl.float32)
+    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(partner_ptrs, mask=mask, other=0.0).to(tl.float32)
     return tl.where(is_first_half, x * cos - xp * sin, x * cos + xp * sin)
 
 
@@ -148,13 +136,13 @@ def attend_one(q, k_row, v_row, qk_scale, valid, m_i, l_i, acc, P_DTYPE: tl.cons
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, vw_ptr, table_ptr, seq_lens_ptr, out_ptr, part_ptr, lse_ptr,
-                   kn_ptr, vn_ptr, pos_ptr, inv_freq_ptr, slot_ptr, qw_ptr, kw_ptr, norm_eps,
+                   kn_ptr, vn_ptr, pos_ptr, inv_freq_ptr, slot_ptr,
                    sm_scale, stride_qb, stride_qh, stride_cs, stride_ch, stride_tb, stride_ob, stride_oh,
                    stride_knb, stride_knh, stride_vnb, stride_vnh,
                    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, NEW_TOKEN: tl.constexpr,
                    F16_DOT: tl.constexpr, V_PAIRS: tl.constexpr, V_ASM: tl.constexpr, OFF64: tl.constexpr,
-                   SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr):
+                   SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -185,12 +173,10 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, vw_ptr, table_ptr, seq_lens_ptr, o
         freqs = tl.load(pos_ptr + b).to(tl.float32) * tl.load(inv_freq_ptr + offs_d % HALF)
         cos, sin = tl.cos(freqs), tl.sin(freqs)  # [D]: the angles of rope._cos_sin, per half
         q = _rotate_row(q_rows + offs_d[None, :], q_rows + partner[None, :], cos[None, :], sin[None, :],
-                        is_first_half[None, :], h_mask[:, None], qw_ptr, offs_d[None, :], partner[None, :],
-                        norm_eps, HEAD_DIM, QK_NORM).to(q_ptr.dtype.element_ty)  # [BLOCK_H, D]
+                        is_first_half[None, :], h_mask[:, None]).to(q_ptr.dtype.element_ty)  # [BLOCK_H, D]
         kn_row = kn_ptr + b * stride_knb + kvh * stride_knh
         # rounded to k's dtype, then the cache's, as rope_kv_write_ stores it
-        k_new = _rotate_row(kn_row + offs_d, kn_row + partner, cos, sin, is_first_half, offs_d < HEAD_DIM,
-                            kw_ptr, offs_d, partner, norm_eps, HEAD_DIM, QK_NORM)
+        k_new = _rotate_row(kn_row + offs_d, kn_row + partner, cos, sin, is_first_half, offs_d < HEAD_DIM)
         k_new = k_new.to(kn_ptr.dtype.element_ty).to(k_ptr.dtype.element_ty)  # [D]
         v_new = tl.load(vn_ptr + b * stride_vnb + kvh * stride_vnh + offs_d).to(v_ptr.dtype.element_ty)  # [D]
         cache_end = seq_len - 1  # the new token's K/V come from registers, not the cache
@@ -289,8 +275,7 @@ def num_splits_for(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
     return min(MAX_SPLITS, 1 << (want - 1).bit_length())
 
 
-def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_token, tile, pairs, spec,
-            qk_norm=None):
+def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_token, tile, pairs, spec):
     num_seqs, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -305,7 +290,6 @@ def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_toke
     else:
         part = lse = out
     k_new, v_new, positions, inv_freq, slots = new_token or (q, q, q, q, q)
-    q_weight, k_weight, norm_eps = qk_norm or (q, q, 0.0)
     block_n, num_warps, num_stages, f16_dot, max_regs, asm = full_tile(
         tile or default_tile(k_cache.dtype, num_seqs, num_kv_heads, num_splits))
     pairs = is_v_pairs(v_cache.dtype) if pairs is None else pairs
@@ -314,13 +298,12 @@ def _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out, new_toke
     sm_scale, spec_constexprs = spec_args(spec, head_dim)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, v_cache.view(torch.int16) if pairs else v_cache, page_table, seq_lens, out, part, lse,
-        k_new, v_new, positions, inv_freq, slots, q_weight, k_weight, norm_eps, sm_scale,
+        k_new, v_new, positions, inv_freq, slots, sm_scale,
         q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
         out.stride(0), out.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, NEW_TOKEN=new_token is not None, F16_DOT=f16_dot, V_PAIRS=pairs,
-        V_ASM=asm, OFF64=paging.needs_off64(k_cache), **spec_constexprs, QK_NORM=qk_norm is not None,
-        num_warps=num_warps, num_stages=num_stages,
+        V_ASM=asm, OFF64=paging.needs_off64(k_cache), **spec_constexprs, num_warps=num_warps, num_stages=num_stages,
         **({"maxnreg": max_regs} if max_regs else {}), **pdl.args(q.device))
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -348,20 +331,17 @@ def decode_attention_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos
                           slot_mapping: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
                           num_splits: int, out: torch.Tensor | None = None,
                           tile: tuple | None = None, v_pairs: bool | None = None,
-                          spec: LayerAttention = DEFAULT_ATTENTION,
-                          qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+                          spec: LayerAttention = DEFAULT_ATTENTION) -> torch.Tensor:
     """rope_kv_write_ then decode_attention in one kernel, for a decode step (the new token of sequence b sits
     at position positions[b] = seq_lens[b] - 1, slot slot_mapping[b]).
 
     q: [B, H, D], k, v: [B, KVH, D] un-rotated (read, not changed); inv_freq: [D/2] fp32. Writes the rotated k
     and v into the caches and returns out [B, H, D]. q is not rotated in place (rope_kv_write_ does that).
     tile, v_pairs, spec: as decode_attention's.
-    qk_norm = (q_weight [D], k_weight [D], eps): Qwen3's per-head RMSNorms of q and k, applied before RoPE as
-    rms_norm.rms_norm_heads_ would (rounded alike), so a decode step needs no launch of its own for them.
     """
     assert k.stride(2) == 1 and v.stride(2) == 1 and inv_freq.dtype == torch.float32
     return _launch(q, k_cache, v_cache, page_table, seq_lens, num_splits, out,
-                   (k, v, positions, inv_freq, slot_mapping), tile, v_pairs, spec, qk_norm)
+                   (k, v, positions, inv_freq, slot_mapping), tile, v_pairs, spec)
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,

@@ -212,15 +212,11 @@ def _attention(attn: nn.Module, x: torch.Tensor, positions: torch.Tensor, inv_fr
     q = qkv[:, :num_heads]  # [T, H, D] views
     k = qkv[:, num_heads: num_heads + num_kv_heads]  # [T, KVH, D]
     v = qkv[:, num_heads + num_kv_heads:]  # [T, KVH, D]
-    qk_norm = None
-    if hasattr(attn, "q_norm"):  # Qwen3: q and k normed per head, inside a decode step's attention kernel
-        qk_norm = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps)
-        if not (hasattr(backend, "forward_rope") and backend.takes_qk_norm(meta)):  # else in place, one launch
-            rms_norm_heads_(qkv[:, :num_heads + num_kv_heads], *qk_norm[:2], num_heads, qk_norm[2])
-            qk_norm = None
+    if hasattr(attn, "q_norm"):  # Qwen3: q and k normed in place, one launch
+        rms_norm_heads_(qkv[:, :num_heads + num_kv_heads], attn.q_norm.weight, attn.k_norm.weight, num_heads,
+                        attn.q_norm.eps)
     if hasattr(backend, "forward_rope"):  # the Triton backend: RoPE inside the KV write (decode: the attention)
-        out = backend.forward_rope(attn.layer, q, k, v, positions, inv_freq, cache, meta, attn.spec,
-                                   qk_norm)  # [T, H, D]
+        out = backend.forward_rope(attn.layer, q, k, v, positions, inv_freq, cache, meta, attn.spec)  # [T, H, D]
     else:
         rope_(q, k, positions, inv_freq)
         out = backend.forward(attn.layer, q, k, v, cache, meta, attn.spec)  # [T, H, D]
