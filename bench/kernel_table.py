@@ -11,7 +11,7 @@ from DRAM, and a row is what the kernel costs as a node of the engine's graphs: 
 next node. The row `empty`, a kernel of one program that does nothing, is that floor.
 
     python -m bench.kernel_table --out $OUT [--tile-sweep] [--split-sweep] [--gemv-sweep] [--w4a16-sweep
-        [--w4a16-tokens 8,64] [--w4a16-tiles groups]] [--fp8-gemv-sweep]  # Llama-3.1-8B
+        [--w4a16-tokens 8,64]] [--fp8-gemv-sweep]  # Llama-3.1-8B
     python -m bench.kernel_table --out $OUT --no-table --gemv-sweep --gemv-model qwen3-30b-a3b  # its dense GEMVs
     python -m bench.kernel_table --out $OUT --no-table --moe [--moe-tiles 16,64,64,4,2;...] [--moe-tokens 1,8]
         [--moe-gemv-sweep]  # Qwen3-30B-A3B's MoE
@@ -472,8 +472,7 @@ class Table:
             return call, error
 
         num_bytes = n * k // 2 + 2 * n * (k // group_size) * self.esize + tokens * (n + k) * self.esize
-        label = ("default" if config is None else config if isinstance(config, str)
-                 else "{}x{}x{}w{}s{}".format(*cfg) + ("_groups" if cfg.by_group else ""))
+        label = "default" if config is None else config if isinstance(config, str) else "{}x{}x{}w{}s{}".format(*cfg)
         return self.measure(f"w4a16_{name}_M{tokens}_{label}", num_bytes, build)
 
 
@@ -624,12 +623,7 @@ def fp8_gemv_sweep(shapes: Shapes = LLAMA3_8B, timer: Timer = graph_timer, max_c
 # One token: rows x columns x warps. The kernel reaches 0.29-0.41 of copy with issue slots to spare (~0.84 ms of
 # instructions a batch-1 step against 3.4 ms), so loads in flight are the suspect; narrower tiles (fewer registers a
 # thread, more warps an SM) are swept. (A register prefetch of the next step's loads lost at every tile: removed.)
-# by_group (the sixth field): _w4a16_gemv_groups_kernel, a scale and zero per (row, group) and x loaded in the
-# words' layout, its A/B against the word kernel's tiles. `--w4a16-tiles groups` sweeps only the word kernel's two
-# default widths beside the group kernel's tiles.
 W4A16_TILES = tuple((1, bn, bk, w) for bn in (4, 8, 16) for bk in (512, 1024, 2048) for w in (4, 8))
-W4A16_GROUP_TILES = ((1, 8, 1024, 4), (1, 8, 2048, 4)) + tuple(
-    (1, bn, bk, w, 1, True) for bn in (4, 8, 16) for bk in (1024, 2048) for w in (4, 8))
 W4A16_TOKENS = (8, 32, 64, 128, 256)  # the sweep's multi-token rows: decode batches and a prefill chunk
 
 
@@ -765,8 +759,6 @@ def main() -> int:
                    "tokens, and the router's logits at one token on cuBLAS and on the Triton GEMV")
     p.add_argument("--moe-torch-align", action="store_true", help="--moe-tiles also with the pairs sorted by torch "
                    "ops (align_by_expert) past fused_moe.SMALL_PAIRS, the baseline of align_chunked")
-    p.add_argument("--w4a16-tiles", choices=("all", "groups"), default="all", help="--w4a16-sweep's one-token "
-                   "tiles: W4A16_TILES (the word kernel), or groups: W4A16_GROUP_TILES (the group kernel's A/B)")
     p.add_argument("--no-table", action="store_true", help="leave out the kernels' rows (with a sweep)")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -790,8 +782,6 @@ def main() -> int:
                             torch_align=args.moe_torch_align)
     w4a16_tokens = tuple(int(x) for x in args.w4a16_tokens.split(",") if x and int(x) > 0)
     w4a16_run = functools.partial(w4a16_sweep, tokens=w4a16_tokens) if args.w4a16_tokens else w4a16_sweep
-    if args.w4a16_tiles == "groups":
-        w4a16_run = functools.partial(w4a16_run, tiles=W4A16_GROUP_TILES)
     if args.gemv_model == "qwen3-30b-a3b":
         gemv_sweep_run = functools.partial(gemv_sweep, QWEN3_30B_A3B_DENSE, tokens=(1,), tiles=gemv_tiles_narrow,
                                            max_parts=1)

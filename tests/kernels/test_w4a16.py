@@ -106,27 +106,6 @@ def test_w4a16_group_kernel_tiles_and_parts(num_tokens, config, parts):
     _check(num_tokens, 40, 384, 128, torch.float32, 1e-5, bias=parts == 1, parts=parts, config=config)
 
 
-@pytest.mark.parametrize("group_size,k,config,parts", [
-    (32, 96, w4.W4A16Config(1, 16, 64, 4, 1, True), 1),  # 3 groups in steps of 2: the last step masked; N = 40
-    (32, 128, w4.W4A16Config(1, 8, 128, 4, 1, True), 1),  # one step of 4 groups
-    (128, 384, w4.W4A16Config(1, 4, 128, 4, 1, True), 1),  # 3 steps of one group of 16 words
-    (128, 512, w4.W4A16Config(1, 8, 256, 4, 1, True), 2),  # 2 parts of 2 groups, partials summed outside
-    (64, 768, w4.W4A16Config(1, 8, 1024, 4, 1, True), 1),  # 16 groups a step over 12: masked groups
-])
-def test_w4a16_one_token_by_group(group_size, k, config, parts):
-    """_w4a16_gemv_groups_kernel: a scale and zero per (row, group), x broadcast along the rows."""
-    _check(1, 40, k, group_size, torch.float32, 1e-5, bias=parts == 1, parts=parts, config=config)
-    _check(1, 40, k, group_size, torch.bfloat16, 1e-2, parts=parts, config=config)
-
-
-def test_the_one_token_group_kernel_refuses_what_does_not_fit():
-    x = torch.zeros((1, 96), device=DEVICE)
-    _, qweight, scales, zeros = _quantized(8, 96, 32, torch.float32, seed=1)
-    with pytest.raises(ValueError, match="whole groups"):  # 3 groups a step: not a power of two
-        w4.w4a16_matmul(x, qweight, scales, zeros, 32, config=w4.W4A16Config(1, 8, 96, 4, 1, True))
-    assert w4.gemv_by_group_fits(4096, 128, 2048) and not w4.gemv_by_group_fits(4096, 96, 1536)
-
-
 @pytest.mark.parametrize("group_size", [32, 128])
 def test_the_large_m_path_dequantizes_exactly(group_size):
     """w4a16_dequantize (the large-M path's float W, one kernel) equals the torch reference's dequantization, rows and
@@ -309,13 +288,3 @@ def test_w4a16_under_a_cuda_graph():
 
 if __name__ == "__main__":
     _compile_default_tiles_for_sm90(sys.argv[1])
-
-
-def test_one_token_by_group_switch(monkeypatch):
-    """w4a16.ONE_TOKEN_BY_GROUP sends w4a16_linear's one-token calls whose groups fit to the group kernel."""
-    assert not w4.config_for(1, 4096, 4096, group_size=128).by_group
-    monkeypatch.setattr(w4, "ONE_TOKEN_BY_GROUP", True)
-    assert w4.config_for(1, 4096, 4096, group_size=128) == w4.W4A16Config(1, 8, 2048, 4, 1, True)
-    assert not w4.config_for(1, 4096, 4096, group_size=96).by_group  # 12 words: not a power of two
-    assert not w4.config_for(8, 4096, 4096, group_size=128).by_group
-    _check(1, 40, 384, 128, torch.float32, 1e-5, bias=True)  # 3 groups in one masked step of 4

@@ -50,9 +50,6 @@ GROUP_TILE_MIN = 128  # columns: tl.dot's K is at least 16 words of 8 nibbles
 # dequantize-then-cuBLAS 385 / 386 / 398. So the group kernel ends where dequantizing begins.
 DEQUANT_MIN_TOKENS = DECODE_MAX_TOKENS + 1
 MAX_PARTS = 8  # split-K slices at most (each writes an fp32 partial [M, N])
-# One token on _w4a16_gemv_groups_kernel (where the groups fit it) instead of _w4a16_gemv_kernel: off until it is
-# measured faster on a GPU (bench/model_speed.py's `:w4a16_groups` and kernel_table --w4a16-tiles groups are its A/B)
-ONE_TOKEN_BY_GROUP = False
 PACK = 8  # nibbles a packed int32 word holds
 MAGIC_BITS = tl.constexpr(0x4B000000)  # the float 2^23's bits: a nibble OR'd into its mantissa reads 2^23 + q
 MAGIC = tl.constexpr(8388608.0)  # 2^23
@@ -64,16 +61,6 @@ class W4A16Config(NamedTuple):
     block_k: int  # a multiple of PACK
     num_warps: int
     num_stages: int = 1  # Triton's software pipelining of the dot kernels (the one-token kernel runs 1)
-    # one token: _w4a16_gemv_groups_kernel (whole groups a step, block_k a multiple of the group) instead of
-    # _w4a16_gemv_kernel
-    by_group: bool = False
-
-
-def gemv_by_group_fits(k_per_part: int, group_size: int, block_k: int) -> bool:
-    """Whether _w4a16_gemv_groups_kernel takes this slice of K: a group of 2^i words, block_k whole groups."""
-    words, steps = group_size // PACK, block_k // max(1, group_size)
-    return (group_size % PACK == 0 and words & (words - 1) == 0 and block_k % group_size == 0
-            and steps & (steps - 1) == 0 and k_per_part % group_size == 0)
 
 
 def is_group_tiled(group_size: int) -> bool:
@@ -97,9 +84,6 @@ def config_for(num_tokens: int, n: int, k: int, parts: int = 1, group_size: int 
     ptxas for sm_90 fits every default tile without spilling (tests/kernels/test_w4a16.py checks it offline)."""
     width = triton.next_power_of_2(max(16, k // parts))
     if num_tokens == 1:
-        if ONE_TOKEN_BY_GROUP and group_size is not None and gemv_by_group_fits(k // parts, group_size,
-                                                                               min(2048, width)):
-            return W4A16Config(1, 8, min(2048, width), 4, 1, True)
         return W4A16Config(1, 8, min(2048, width), 4)
     if num_tokens <= DECODE_MAX_TOKENS:
         if group_size is not None and is_group_tiled(group_size):
@@ -219,60 +203,6 @@ def _w4a16_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, k_per_part
 
 
 @triton.jit
-def _w4a16_gemv_groups_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, groups_per_part, stride_qn, stride_sn,
-                              stride_op, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, GPS: tl.constexpr,
-                              WPG: tl.constexpr, EVEN_G: tl.constexpr, PDL: tl.constexpr):
-    """One token, whole groups a step: out[part, 0, n] = Σ_g s[n, g]·(Σ_{k in g} q[n, k]·x[k] − z[n, g]·Σ_{k in g} x[k])
-    over the part's groups, GPS groups of WPG words (a power of two) a step. Against _w4a16_gemv_kernel:
-    - x[8j + i] is loaded in the words' own layout (a pointer broadcast along the rows, so each thread loads its
-      columns once for all its rows) instead of a 1-D load moved through shared memory behind a barrier per nibble;
-    - each (row, group) loads its scale and zero once, applied to the group's sum (a reshape [BLOCK_N, GPS, WPG]
-      summed over the words), where the other kernel gathers them per word;
-    - Σ x over each group comes from one contiguous load of the step's columns, shared by the rows.
-    EVEN_G: the part's groups are a whole number of steps (no group mask)."""
-    BLOCK_W: tl.constexpr = GPS * WPG
-    pid_n = tl.program_id(0)
-    part = tl.program_id(1)
-    pdl.wait(PDL)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    g_lo = part * groups_per_part
-    g_end = g_lo + groups_per_part
-    along_rows = (offs_n * 0)[:, None]  # [BLOCK_N, 1] zeros: x's pointers broadcast to the words' shape
-    acc = tl.zeros([BLOCK_N, GPS], dtype=tl.float32)
-    for g0 in range(g_lo, g_end, GPS):
-        offs_g = g0 + tl.arange(0, GPS)
-        offs_w = g0 * WPG + tl.arange(0, BLOCK_W)
-        offs_x = g0 * WPG * 8 + tl.arange(0, BLOCK_W * 8)
-        if EVEN_G:
-            mask_g = tl.full([GPS], True, tl.int1)
-            mask_w = tl.full([BLOCK_W], True, tl.int1)
-            mask_x = tl.full([BLOCK_W * 8], True, tl.int1)
-        else:
-            mask_g = offs_g < g_end
-            mask_w = offs_w < g_end * WPG
-            mask_x = offs_x < g_end * WPG * 8
-        words = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_w[None, :], mask=mask_n[:, None] & mask_w[None, :],
-                        other=0, eviction_policy="evict_first")  # [BLOCK_N, BLOCK_W] int32
-        high = words >> 12  # nibbles 5, 6, 7 at bits 8, 12, 16
-        dot = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
-        for i in tl.static_range(8):
-            xi = tl.load(x_ptr + along_rows + offs_w[None, :] * 8 + i, mask=mask_w[None, :], other=0.0)
-            dot += _nibble(words, high, i) * xi.to(tl.float32)
-        xs = tl.sum(tl.reshape(tl.load(x_ptr + offs_x, mask=mask_x, other=0.0).to(tl.float32), [GPS, WPG * 8]), axis=1)
-        dot_g = tl.sum(tl.reshape(dot, [BLOCK_N, GPS, WPG]), axis=2)  # [BLOCK_N, GPS]
-        g_off = offs_n[:, None] * stride_sn + offs_g[None, :]
-        g_mask = mask_n[:, None] & mask_g[None, :]
-        s = tl.load(s_ptr + g_off, mask=g_mask, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g_off, mask=g_mask, other=0.0).to(tl.float32)
-        acc += s * (dot_g - z * xs[None, :])
-    out = tl.sum(acc, axis=1)  # [BLOCK_N]
-    if HAS_BIAS:
-        out += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    tl.store(out_ptr + part * stride_op + offs_n, out.to(out_ptr.dtype.element_ty), mask=mask_n)
-
-
-@triton.jit
 def _w4a16_group_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, groups_per_part, stride_xm, stride_qn,
                         stride_sn, stride_op, stride_om, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_W: tl.constexpr,
                         IEEE_DOT: tl.constexpr):
@@ -380,17 +310,6 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
     out = torch.empty((parts, num_tokens, n), dtype=x.dtype if parts == 1 else torch.float32, device=x.device)
     k_per_part = k // parts
-    if cfg.block_m == 1 and cfg.by_group:
-        if not gemv_by_group_fits(k_per_part, group_size, cfg.block_k):
-            raise ValueError(f"w4a16: tile {cfg} takes whole groups of 2^i words, {group_size} does not fit it or "
-                             f"K's slice of {k_per_part}")
-        groups_per_part, gps = k_per_part // group_size, cfg.block_k // group_size
-        _w4a16_gemv_groups_kernel[(triton.cdiv(n, cfg.block_n), parts)](
-            x, qweight, scales, zeros, bias if bias is not None else scales, out, n, groups_per_part,
-            qweight.stride(0), scales.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n,
-            GPS=gps, WPG=group_size // PACK, EVEN_G=groups_per_part % gps == 0, num_warps=cfg.num_warps,
-            num_stages=1, **pdl.args(x.device))
-        return out[0] if parts == 1 else out
     if cfg.block_m == 1:
         _w4a16_gemv_kernel[(triton.cdiv(n, cfg.block_n), parts)](
             x, qweight, scales, zeros, bias if bias is not None else scales, out, n, k_per_part, group_size,
