@@ -10,7 +10,8 @@ The kernel shares come from torch.profiler over decode steps (CUDA graph replays
 A preset suffixed `:torch_routing` runs the MoE router and expert sort as torch ops (softmax, topk, division; the
 dozen ops of fused_moe.align_by_expert) instead of kernels/moe_routing.py's two launches: the A/B of that lever.
 A preset suffixed `:no_pdl` launches the kernels without programmatic dependent launch (kernels/pdl.py), its A/B;
-`:pdl_wait_only` with it, but each kernel lets the next one start only when it ends.
+`:pdl_wait_only` with it, but each kernel lets the next one start only when it ends. `:w4a16_chunks` loads an INT4
+model's one-token scales and zeros once a chunk of 4 words (kernels/w4a16.py's CHUNK_SCALES), its A/B.
 A preset suffixed `@METHOD` (fp8, awq, gptq) quantizes its linear layers on load, as `serve --quantization METHOD`
 does (issue 25); its roofline counts the quantized weights' bytes (packed words and scales):
 
@@ -130,9 +131,18 @@ def _finish(engine, outs) -> None:
 def variant(name: str):
     """For the engine built inside: torch_routing: moe_routing's kernels swapped for the torch ops they replace;
     no_pdl: the kernels launched without programmatic dependent launch (kernels/pdl.py); pdl_wait_only: with it,
-    without the early release of the next kernel."""
+    without the early release of the next kernel; w4a16_chunks: w4a16.CHUNK_SCALES on."""
     if not name:
         yield
+        return
+    if name == "w4a16_chunks":
+        from services.gpu_worker.kernels import w4a16
+
+        w4a16.CHUNK_SCALES = True
+        try:
+            yield
+        finally:
+            w4a16.CHUNK_SCALES = False
         return
     if name in ("no_pdl", "pdl_wait_only"):
         from services.gpu_worker.kernels import pdl

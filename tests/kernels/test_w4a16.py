@@ -273,6 +273,16 @@ def test_w4a16_llama8b_shapes(num_tokens, n, k, group_size):
 
 @pytest.mark.gpu
 @gpu_only
+@pytest.mark.parametrize("n,k,group_size", [(6144, 4096, 128), (28672, 4096, 128), (4096, 14336, 128),
+                                            (4096, 4096, 32)])
+def test_w4a16_one_token_scales_by_chunk_llama8b_shapes(n, k, group_size, monkeypatch):
+    monkeypatch.setattr(w4, "CHUNK_SCALES", True)
+    _check(1, n, k, group_size, torch.bfloat16, 1e-2)
+    _check(1, n, k, group_size, torch.float16, 2e-3)
+
+
+@pytest.mark.gpu
+@gpu_only
 def test_w4a16_under_a_cuda_graph():
     """The decode path as the engine's captured steps would run it: no host synchronisation inside the call."""
     _, qweight, scales, zeros = _quantized(4096, 4096, 128, torch.bfloat16, seed=1)
@@ -288,3 +298,23 @@ def test_w4a16_under_a_cuda_graph():
 
 if __name__ == "__main__":
     _compile_default_tiles_for_sm90(sys.argv[1])
+
+
+@pytest.mark.parametrize("group_size,k,config,parts", [
+    (32, 96, w4.W4A16Config(1, 8, 64, 4), 1),  # a chunk of 4 words a group; K = 96: a masked second step; N = 40
+    (32, 256, w4.W4A16Config(1, 16, 32, 4), 4),  # 4 parts of 2 groups, one chunk a step
+    (128, 384, w4.W4A16Config(1, 8, 256, 4), 1),  # 3 groups of 4 chunks in steps of 8 chunks: the last masked
+    (128, 512, w4.W4A16Config(1, 4, 2048, 4), 2),  # a step wider than the part: chunks past its end masked
+])
+def test_w4a16_one_token_scales_by_chunk(group_size, k, config, parts, monkeypatch):
+    """CHUNK_SCALES: a scale and zero loaded once a chunk of 4 words (_w4a16_gemv_chunks); the same sums."""
+    monkeypatch.setattr(w4, "CHUNK_SCALES", True)
+    assert w4.chunks_fit(group_size, config.block_k)
+    _check(1, 40, k, group_size, torch.float32, 1e-5, bias=parts == 1, parts=parts, config=config)
+    _check(1, 40, k, group_size, torch.bfloat16, 1e-2, parts=parts, config=config)
+
+
+def test_chunks_fit_only_whole_chunks_of_a_group():
+    assert w4.chunks_fit(128, 2048) and w4.chunks_fit(32, 32)
+    assert not w4.chunks_fit(16, 2048)  # a group of 2 words: a chunk would span groups
+    assert not w4.chunks_fit(128, 16)  # a step of 2 words

@@ -53,6 +53,10 @@ MAX_PARTS = 8  # split-K slices at most (each writes an fp32 partial [M, N])
 PACK = 8  # nibbles a packed int32 word holds
 MAGIC_BITS = tl.constexpr(0x4B000000)  # the float 2^23's bits: a nibble OR'd into its mantissa reads 2^23 + q
 MAGIC = tl.constexpr(8388608.0)  # 2^23
+CHUNK = tl.constexpr(4)  # words (16 bytes) a thread loads at once: _w4a16_gemv_chunks's scale-sharing run
+# One token: a scale and zero loaded once a CHUNK of words (_w4a16_gemv_chunks) where the groups allow it, instead of
+# once a word. Off until measured on a GPU (bench/model_speed.py's `:w4a16_chunks` is its A/B)
+CHUNK_SCALES = False
 
 
 class W4A16Config(NamedTuple):
@@ -168,12 +172,14 @@ def _w4a16_gemv_step_loads(q_ptr, s_ptr, z_ptr, offs_n, mask_n, w0, w_end, words
 @triton.jit
 def _w4a16_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, k_per_part, group_size, stride_qn, stride_sn,
                        stride_op, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                       EVEN_K: tl.constexpr, PDL: tl.constexpr):
+                       EVEN_K: tl.constexpr, CHUNK_SCALES: tl.constexpr, PDL: tl.constexpr):
     """One token: out[part, 0, n] = Σ_k x[k] w[n, k] over the part's slice of K, BLOCK_W packed words (8·BLOCK_W
     columns) of BLOCK_N rows a step. Per word, Σ_k (q − z)·s·x = s·(Σ_i q_i·x_{8j+i} − z·Σ_i x_{8j+i}): nibble i of
     every word multiplies the strided x[8j + i] (no reshape of the unpacked tile), and the word's group scale and
     zero (gathered per word, an eighth of the weights) apply once to the word's sums. EVEN_K: the part's words are
-    a whole number of BLOCK_W, so no column mask (the rows' words then load as 16-byte vectors)."""
+    a whole number of BLOCK_W, so no column mask (the rows' words then load as 16-byte vectors).
+    CHUNK_SCALES (groups of a multiple of CHUNK words): _w4a16_gemv_chunks, the words as [BLOCK_N, BLOCK_W / CHUNK,
+    CHUNK], a scale and a zero loaded once a chunk instead of once a word."""
     pid_n = tl.program_id(0)
     part = tl.program_id(1)
     pdl.wait(PDL)
@@ -182,6 +188,22 @@ def _w4a16_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, k_per_part
     w_lo = part * (k_per_part // 8)  # first word of this part
     w_end = w_lo + k_per_part // 8
     words_per_group = group_size // 8
+    if CHUNK_SCALES:  # w_lo as a multiple of CHUNK the compiler can see (parts are whole groups): 16-byte loads
+        w_lo = part * (k_per_part // (8 * CHUNK)) * CHUNK
+        out = _w4a16_gemv_chunks(x_ptr, q_ptr, s_ptr, z_ptr, offs_n, mask_n, w_lo, w_end, words_per_group, stride_qn,
+                                 stride_sn, BLOCK_N, BLOCK_W, EVEN_K)
+    else:
+        out = _w4a16_gemv_words(x_ptr, q_ptr, s_ptr, z_ptr, offs_n, mask_n, w_lo, w_end, words_per_group, stride_qn,
+                                stride_sn, BLOCK_N, BLOCK_W, EVEN_K)
+    if HAS_BIAS:
+        out += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + part * stride_op + offs_n, out.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _w4a16_gemv_words(x_ptr, q_ptr, s_ptr, z_ptr, offs_n, mask_n, w_lo, w_end, words_per_group, stride_qn, stride_sn,
+                      BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, EVEN_K: tl.constexpr):
+    """_w4a16_gemv_kernel's sums [BLOCK_N] over words w_lo..w_end, a scale and zero gathered per word."""
     acc = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
     for w0 in range(w_lo, w_end, BLOCK_W):
         offs_w = w0 + tl.arange(0, BLOCK_W)
@@ -196,10 +218,46 @@ def _w4a16_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, k_per_part
             dot += _nibble(words, high, i) * xi[None, :]
             xsum += xi
         acc += s * (dot - z * xsum[None, :])
-    out = tl.sum(acc, axis=1)  # [BLOCK_N]
-    if HAS_BIAS:
-        out += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    tl.store(out_ptr + part * stride_op + offs_n, out.to(out_ptr.dtype.element_ty), mask=mask_n)
+    return tl.sum(acc, axis=1)  # [BLOCK_N]
+
+
+@triton.jit
+def _w4a16_gemv_chunks(x_ptr, q_ptr, s_ptr, z_ptr, offs_n, mask_n, w_lo, w_end, words_per_group, stride_qn,
+                       stride_sn, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, EVEN_K: tl.constexpr):
+    """As _w4a16_gemv_words, with the words of a step as [BLOCK_N, BLOCK_W / CHUNK, CHUNK]: a chunk's CHUNK words lie
+    in one group (groups of a multiple of CHUNK words, chunks from the part's first word), so its scale and zero load
+    once as [BLOCK_N, BLOCK_W / CHUNK, 1] and broadcast. Triton lowers each load to its own instruction, so the
+    2-D kernel's per-word gathers load each scale and zero CHUNK times."""
+    NUM_CHUNKS: tl.constexpr = BLOCK_W // CHUNK
+    offs_c = tl.arange(0, NUM_CHUNKS)
+    offs_r = tl.arange(0, CHUNK)
+    acc = tl.zeros([BLOCK_N, NUM_CHUNKS, CHUNK], dtype=tl.float32)
+    rows = offs_n[:, None, None]
+    for w0 in range(w_lo, w_end, BLOCK_W):
+        offs_w = w0 + offs_c[:, None] * CHUNK + offs_r[None, :]  # [NUM_CHUNKS, CHUNK]
+        first = w0 + offs_c * CHUNK  # [NUM_CHUNKS]: each chunk's first word
+        if EVEN_K:
+            mask = mask_n[:, None, None]
+            mask_w = tl.full([NUM_CHUNKS, CHUNK], True, tl.int1)
+            mask_c = mask
+        else:
+            mask_w = offs_w < w_end
+            mask = mask_n[:, None, None] & mask_w[None, :, :]
+            mask_c = mask_n[:, None, None] & (first < w_end)[None, :, None]
+        words = tl.load(q_ptr + rows * stride_qn + offs_w[None, :, :], mask=mask, other=0,
+                        eviction_policy="evict_first")  # [BLOCK_N, NUM_CHUNKS, CHUNK] int32
+        g_off = rows * stride_sn + (first // words_per_group)[None, :, None]  # [BLOCK_N, NUM_CHUNKS, 1]
+        s = tl.load(s_ptr + g_off, mask=mask_c, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g_off, mask=mask_c, other=0.0).to(tl.float32)
+        high = words >> 12  # nibbles 5, 6, 7 at bits 8, 12, 16
+        dot = tl.zeros([BLOCK_N, NUM_CHUNKS, CHUNK], dtype=tl.float32)
+        xsum = tl.zeros([NUM_CHUNKS, CHUNK], dtype=tl.float32)
+        for i in tl.static_range(8):
+            xi = tl.load(x_ptr + offs_w * 8 + i, mask=mask_w, other=0.0).to(tl.float32)  # [NUM_CHUNKS, CHUNK]
+            dot += _nibble(words, high, i) * xi[None, :, :]
+            xsum += xi
+        acc += s * (dot - z * xsum[None, :, :])
+    return tl.sum(tl.sum(acc, axis=2), axis=1)  # [BLOCK_N]
 
 
 @triton.jit
@@ -276,6 +334,13 @@ def _w4a16_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, k_per_part, 
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def chunks_fit(group_size: int, block_k: int) -> bool:
+    """Whether _w4a16_gemv_chunks takes these groups and this step: a group a whole number of CHUNK words (groups of
+    32, 64, 128 columns), a step a whole number of chunks."""
+    chunk = CHUNK.value if hasattr(CHUNK, "value") else CHUNK
+    return group_size % (PACK * chunk) == 0 and (block_k // PACK) % chunk == 0 and block_k // PACK >= chunk
+
+
 def _check_layout(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                   group_size: int) -> None:
     k, n = x.shape[-1], qweight.shape[0]
@@ -315,7 +380,8 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
             x, qweight, scales, zeros, bias if bias is not None else scales, out, n, k_per_part, group_size,
             qweight.stride(0), scales.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n,
             BLOCK_W=cfg.block_k // PACK, EVEN_K=k_per_part % cfg.block_k == 0,
-            num_warps=cfg.num_warps, num_stages=1, **pdl.args(x.device))
+            CHUNK_SCALES=CHUNK_SCALES and chunks_fit(group_size, cfg.block_k), num_warps=cfg.num_warps, num_stages=1,
+            **pdl.args(x.device))
         return out[0] if parts == 1 else out
     grid = (triton.cdiv(num_tokens, cfg.block_m), triton.cdiv(n, cfg.block_n), parts)
     if cfg.block_k == group_size and is_group_tiled(group_size):
