@@ -2,7 +2,7 @@
 # On the device machine, after `R=$PWD; source bench/device_clean.sh && cd /tmp/clean` (carried: see device_pack.sh):
 # the pending GPU runs of the open issues, grouped into calls of under 600 s, the runs that can close an issue first.
 # Steps write under $OUT/steps (bundled as steps.tgz); the card's name is in steps/gpu.txt.
-#   [PLAN_BUDGET_S=570] bash bench/device_plan.sh R PLAN     R: the carried tree's root (for .tok); PLAN: a|b|c|m|n|o|p|r|s|t|u|v|w|y|z
+#   [PLAN_BUDGET_S=570] bash bench/device_plan.sh R PLAN     R: the carried tree's root (for .tok); PLAN: a|b|c|h|m|n|o|p|r|s|t|u|v|w|y|z
 # a: the replay ratios at α 0.95, 0.8, 0.5 and 0, batches 1 and 64 (issue 26), the MoE batch-1 step against its
 #    roofline and the MoE served W0 (issue 27), the structured-output mask's step cost (issue 29) if time is left.
 # t: speculation served on CUDA, greedy identity over HTTP for both proposers (issue 26); needs the bundled model,
@@ -28,6 +28,8 @@
 #    it, the MoE served batch-1 TPOT and W0 with serve's defaults (issue 27).
 # w: on an H200 with little device time left: the MoE batch-1 step against its H200 bound with and without PDL
 #    (issue 27), the engine's PDL bit-equality, the served W1 and W0 of Llama-3.1-8B with defaults (issue 24).
+# h: on an H200 with ~5 minutes of device time left: the MoE batch-1 step against its H200 bound with and without
+#    PDL (issue 27), then plan z.
 # z: the INT4 one-token kernel loading each scale and zero once a chunk of 4 words: the AWQ batch-1 step with and
 #    without it, its GPU tests (issue 25).
 # y: what bounds the INT4 one-token kernel: its loop with x, the scales or the arithmetic taken out (bench/w4a16_probe.py,
@@ -122,6 +124,12 @@ case "$plan" in
         ;;
     z)
         bash bench/device_steps.sh "${PLAN_BUDGET_S:-200}" \
+            "w4ms|120|python -m bench.model_speed --presets llama3-8b@awq,llama3-8b@awq:w4a16_chunks,llama3-8b@awq --max-num-seqs 1 --out $S/ms_w4" \
+            "w4test|60|python -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_w4a16.py -k 'chunk or llama8b_shapes'"
+        ;;
+    h)
+        bash bench/device_steps.sh "${PLAN_BUDGET_S:-300}" \
+            "moe|100|python -m bench.model_speed --presets qwen3-30b-a3b,qwen3-30b-a3b:no_pdl --max-num-seqs 1 --out $S/ms_moe" \
             "w4ms|120|python -m bench.model_speed --presets llama3-8b@awq,llama3-8b@awq:w4a16_chunks,llama3-8b@awq --max-num-seqs 1 --out $S/ms_w4" \
             "w4test|60|python -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_w4a16.py -k 'chunk or llama8b_shapes'"
         ;;
