@@ -26,8 +26,9 @@
 #    engine's tokens with and without it; the batch-1 step of the MoE and of Llama-3.1-8B with and without it.
 # v: PDL only in steps of our kernels (pdl.scope): the engine's bit-equality, the MoE batch-1 step with and without
 #    it, the MoE served batch-1 TPOT and W0 with serve's defaults (issue 27).
-# w: on an H200 with little device time left: the MoE batch-1 step against its H200 bound with and without PDL
-#    (issue 27), the engine's PDL bit-equality, the served W1 and W0 of Llama-3.1-8B with defaults (issue 24).
+# w: on an H200 in one call: the MoE batch-1 step against its H200 bound with and without PDL (issue 27), the AWQ
+#    batch-1 step with and without CHUNK_SCALES (plan z's A/B, issue 25), the served W1 and W0 of Llama-3.1-8B with
+#    defaults (issue 24). PDL's bit-equality ran on an H100 (session 25).
 # h: on an H200 with ~5 minutes of device time left: the MoE batch-1 step against its H200 bound with and without
 #    PDL (issue 27), then plan z.
 # z: the INT4 one-token kernel loading each scale and zero once a chunk of 4 words: the AWQ batch-1 step with and
@@ -114,8 +115,8 @@ case "$plan" in
     w)
         bash bench/device_steps.sh "${PLAN_BUDGET_S:-480}" \
             "moe|80|python -m bench.model_speed --presets qwen3-30b-a3b,qwen3-30b-a3b:no_pdl --max-num-seqs 1 --out $S/ms_moe" \
-            "served|250|SUITE_TIMEOUT_S=240 bash bench/served_gpu.sh r1 w1,w0" \
-            "pdltest|90|python -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_triton_engine.py -k programmatic"
+            "w4ms|120|python -m bench.model_speed --presets llama3-8b@awq,llama3-8b@awq:w4a16_chunks,llama3-8b@awq --max-num-seqs 1 --out $S/ms_w4" \
+            "served|250|SUITE_TIMEOUT_S=240 bash bench/served_gpu.sh r1 w1,w0"
         ;;
     y)
         bash bench/device_steps.sh "${PLAN_BUDGET_S:-200}" \
