@@ -17,7 +17,9 @@ kernel_table --w4a16-sweep, 2026-12-06):
   the bytes bound it; loads in flight are the suspect (12 warps an SM at 168 registers, each step's loads waited for
   before its arithmetic). A register prefetch of the next step's loads (issued before this step's arithmetic) was
   slower at every tile on the H100 (gate_up 52.6 -> 80.0 µs at 8 x 2048) and is gone; Triton's own num_stages leaves
-  this kernel unchanged. Unsolved.
+  this kernel unchanged. Unsolved. bench/w4a16_probe.py (H100, 2026-12-07) found the per-word scale and zero gathers
+  the largest cost (gate_up 58.7 -> 33.4 µs without them), then x's strided loads (-> 42.7); CHUNK_SCALES (off until
+  measured) loads each scale and zero once a chunk of 4 words instead.
 - 2..16 tokens, groups of ≥ 128 columns (AWQ and GPTQ as published): _w4a16_group_kernel, the nibbles as integers
   on the tensor cores, a group a step, its scale and zero applied once to the group's [BLOCK_M, BLOCK_N] sums; split
   along K (split_for) where the tiles alone would leave SMs idle. At 8 tokens 1.9-3.4x faster than the dequantizing
@@ -53,7 +55,8 @@ MAX_PARTS = 8  # split-K slices at most (each writes an fp32 partial [M, N])
 PACK = 8  # nibbles a packed int32 word holds
 MAGIC_BITS = tl.constexpr(0x4B000000)  # the float 2^23's bits: a nibble OR'd into its mantissa reads 2^23 + q
 MAGIC = tl.constexpr(8388608.0)  # 2^23
-CHUNK = tl.constexpr(4)  # words (16 bytes) a thread loads at once: _w4a16_gemv_chunks's scale-sharing run
+CHUNK_WORDS = 4  # words (16 bytes) a thread loads at once: _w4a16_gemv_chunks's scale-sharing run
+CHUNK = tl.constexpr(CHUNK_WORDS)
 # One token: a scale and zero loaded once a CHUNK of words (_w4a16_gemv_chunks) where the groups allow it, instead of
 # once a word. Off until measured on a GPU (bench/model_speed.py's `:w4a16_chunks` is its A/B)
 CHUNK_SCALES = False
@@ -185,11 +188,14 @@ def _w4a16_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, k_per_part
     pdl.wait(PDL)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    w_lo = part * (k_per_part // 8)  # first word of this part
-    w_end = w_lo + k_per_part // 8
     words_per_group = group_size // 8
-    if CHUNK_SCALES:  # w_lo as a multiple of CHUNK the compiler can see (parts are whole groups): 16-byte loads
+    if CHUNK_SCALES:  # the part's first word as a multiple of CHUNK the compiler sees (parts are whole groups of a
+        # multiple of CHUNK words), so the words load as 16-byte vectors
         w_lo = part * (k_per_part // (8 * CHUNK)) * CHUNK
+    else:
+        w_lo = part * (k_per_part // 8)
+    w_end = w_lo + k_per_part // 8
+    if CHUNK_SCALES:
         out = _w4a16_gemv_chunks(x_ptr, q_ptr, s_ptr, z_ptr, offs_n, mask_n, w_lo, w_end, words_per_group, stride_qn,
                                  stride_sn, BLOCK_N, BLOCK_W, EVEN_K)
     else:
@@ -337,8 +343,8 @@ def _w4a16_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, k_per_part, 
 def chunks_fit(group_size: int, block_k: int) -> bool:
     """Whether _w4a16_gemv_chunks takes these groups and this step: a group a whole number of CHUNK words (groups of
     32, 64, 128 columns), a step a whole number of chunks."""
-    chunk = CHUNK.value if hasattr(CHUNK, "value") else CHUNK
-    return group_size % (PACK * chunk) == 0 and (block_k // PACK) % chunk == 0 and block_k // PACK >= chunk
+    return (group_size % (PACK * CHUNK_WORDS) == 0 and (block_k // PACK) % CHUNK_WORDS == 0
+            and block_k // PACK >= CHUNK_WORDS)
 
 
 def _check_layout(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
