@@ -192,18 +192,31 @@ def _w4a16_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, k_per_part
     if CHUNK_SCALES:  # the part's first word as a multiple of CHUNK the compiler sees (parts are whole groups of a
         # multiple of CHUNK words), so the words load as 16-byte vectors
         w_lo = part * (k_per_part // (8 * CHUNK)) * CHUNK
-    else:
-        w_lo = part * (k_per_part // 8)
-    w_end = w_lo + k_per_part // 8
-    if CHUNK_SCALES:
+        w_end = w_lo + k_per_part // 8
         out = _w4a16_gemv_chunks(x_ptr, q_ptr, s_ptr, z_ptr, offs_n, mask_n, w_lo, w_end, words_per_group, stride_qn,
                                  stride_sn, BLOCK_N, BLOCK_W, EVEN_K)
     else:
+        w_lo = part * (k_per_part // 8)
+        w_end = w_lo + k_per_part // 8
         out = _w4a16_gemv_words(x_ptr, q_ptr, s_ptr, z_ptr, offs_n, mask_n, w_lo, w_end, words_per_group, stride_qn,
                                 stride_sn, BLOCK_N, BLOCK_W, EVEN_K)
     if HAS_BIAS:
         out += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     tl.store(out_ptr + part * stride_op + offs_n, out.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _nibble_dot(words, x_ptr, offs_w, mask_w):
+    """For words [BLOCK_N, *W] (offs_w [*W]: their indices, masked by mask_w): each word's Σ_i q_i·x[8w + i] [BLOCK_N,
+    *W] and Σ_i x[8w + i] [*W], fp32 — nibble i of every word against the strided x[8w + i]."""
+    high = words >> 12  # nibbles 5, 6, 7 at bits 8, 12, 16
+    dot = tl.zeros(words.shape, dtype=tl.float32)
+    xsum = tl.zeros(offs_w.shape, dtype=tl.float32)
+    for i in tl.static_range(8):
+        xi = tl.load(x_ptr + offs_w * 8 + i, mask=mask_w, other=0.0).to(tl.float32)
+        dot += _nibble(words, high, i) * tl.expand_dims(xi, 0)
+        xsum += xi
+    return dot, xsum
 
 
 @triton.jit
@@ -216,13 +229,7 @@ def _w4a16_gemv_words(x_ptr, q_ptr, s_ptr, z_ptr, offs_n, mask_n, w_lo, w_end, w
         mask_w = tl.full([BLOCK_W], True, tl.int1) if EVEN_K else offs_w < w_end
         words, s, z = _w4a16_gemv_step_loads(q_ptr, s_ptr, z_ptr, offs_n, mask_n, w0, w_end, words_per_group,
                                              stride_qn, stride_sn, BLOCK_W, EVEN_K)
-        high = words >> 12  # nibbles 5, 6, 7 at bits 8, 12, 16
-        dot = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
-        xsum = tl.zeros([BLOCK_W], dtype=tl.float32)
-        for i in tl.static_range(8):
-            xi = tl.load(x_ptr + offs_w * 8 + i, mask=mask_w, other=0.0).to(tl.float32)  # [BLOCK_W]
-            dot += _nibble(words, high, i) * xi[None, :]
-            xsum += xi
+        dot, xsum = _nibble_dot(words, x_ptr, offs_w, mask_w)
         acc += s * (dot - z * xsum[None, :])
     return tl.sum(acc, axis=1)  # [BLOCK_N]
 
@@ -255,13 +262,7 @@ def _w4a16_gemv_chunks(x_ptr, q_ptr, s_ptr, z_ptr, offs_n, mask_n, w_lo, w_end, 
         g_off = rows * stride_sn + (first // words_per_group)[None, :, None]  # [BLOCK_N, NUM_CHUNKS, 1]
         s = tl.load(s_ptr + g_off, mask=mask_c, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g_off, mask=mask_c, other=0.0).to(tl.float32)
-        high = words >> 12  # nibbles 5, 6, 7 at bits 8, 12, 16
-        dot = tl.zeros([BLOCK_N, NUM_CHUNKS, CHUNK], dtype=tl.float32)
-        xsum = tl.zeros([NUM_CHUNKS, CHUNK], dtype=tl.float32)
-        for i in tl.static_range(8):
-            xi = tl.load(x_ptr + offs_w * 8 + i, mask=mask_w, other=0.0).to(tl.float32)  # [NUM_CHUNKS, CHUNK]
-            dot += _nibble(words, high, i) * xi[None, :, :]
-            xsum += xi
+        dot, xsum = _nibble_dot(words, x_ptr, offs_w, mask_w)
         acc += s * (dot - z * xsum[None, :, :])
     return tl.sum(tl.sum(acc, axis=2), axis=1)  # [BLOCK_N]
 
