@@ -28,10 +28,12 @@ import torch
 import triton
 import triton.language as tl
 
+from bench.kernel_table import LLAMA3_8B, gemv_shapes
 from bench.timing import copy_bandwidth, graph_of, time_gpu
 from services.gpu_worker.kernels import w4a16 as w4
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
+# (N, K) of Llama-3.1-8B's projections as kernel_table takes them (the LM head stays dense when quantized)
+SHAPES = {name: (n, k) for name, n, k, _ in gemv_shapes(LLAMA3_8B) if name != "lm_head"}
 GROUP = 128
 VARIANTS = {"full": (0, 0, 0), "no_x": (1, 0, 0), "no_scales": (0, 1, 0), "no_math": (0, 0, 1), "loads": (1, 1, 1)}
 BYTES_PER_GRAPH = 256 << 20
