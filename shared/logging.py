@@ -17,6 +17,8 @@ def configure_logging(service: str, level: str | None = None) -> None:
                     structlog.processors.TimeStamper(fmt="iso"), structlog.processors.format_exc_info,
                     renderer],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level_name)),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # NOTE: one write() per line: `print` writes the text and its newline apart, and with an unbuffered stderr
+        # (PYTHONUNBUFFERED) two services sharing one log could interleave inside a line
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True)
     structlog.contextvars.bind_contextvars(service=service)
