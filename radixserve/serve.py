@@ -32,6 +32,7 @@ TOKENIZER_FIELDS = ("max_model_len", "trust_message_special_tokens")  # max_mode
 RESTART_INITIAL_S, RESTART_MAX_S = 0.5, 30.0  # a dead child's restart delay doubles from the first to the second
 STABLE_S = 60.0  # a child that ran this long before it died starts again from the first delay
 MAX_STARTUP_RESTARTS = 2  # a child dying a third time before the server is ready fails the start-up
+PROGRESS_EVERY_S = 10.0  # the start-up's progress off a terminal: a whole line this often
 
 
 @dataclass
@@ -115,6 +116,13 @@ class Suite:
             _terminate([self.redis], timeout_s)
 
 
+def say(text: str) -> None:
+    """One of serve's own lines on the stderr its children share, text and newline in one write: print writes them
+    apart, and with an unbuffered stderr (PYTHONUNBUFFERED) a child's log line could land between the two."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
 def _terminate(children: list[Child], timeout_s: float) -> None:
     for child in children:
         if child.process and child.process.poll() is None:
@@ -126,7 +134,7 @@ def _terminate(children: list[Child], timeout_s: float) -> None:
         try:
             child.process.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            print(f"radixserve: {child.name} did not stop within {timeout_s:g}s; killing it", file=sys.stderr)
+            say(f"radixserve: {child.name} did not stop within {timeout_s:g}s; killing it")
             child.process.kill()
             child.process.wait()
 
@@ -279,23 +287,33 @@ def _wait_for_socket(path: Path, timeout_s: float = 10.0) -> None:
 def wait_ready(suite: Suite, url: str, timeout_s: float, stop: threading.Event, env: dict[str, str]) -> bool:
     """Poll /health until a worker serves or stop is set; show progress. A child that dies meanwhile is restarted as
     later, but one that dies more than MAX_STARTUP_RESTARTS times before the server is ready fails the start-up (a
-    bad flag or model fails each time). False then, or when time runs out."""
-    started = time.monotonic()
+    bad flag or model fails each time). False then, or when time runs out.
+
+    The progress rewrites one line on a terminal; elsewhere (a log file, a container) it is a whole line every
+    PROGRESS_EVERY_S, since a line left open there would run into the next child's log line."""
+    tty = sys.stderr.isatty()
+    lead = "\n" if tty else ""  # ends the progress line on a terminal
+    started, shown = time.monotonic(), -PROGRESS_EVERY_S
     while time.monotonic() - started < timeout_s:
         for line in suite.supervise(env, time.monotonic()):
-            print(f"\nradixserve: {line}", file=sys.stderr, flush=True)
+            say(f"{lead}radixserve: {line}")
         failing = next((c for c in suite.supervised if c.num_restarts > MAX_STARTUP_RESTARTS), None)
         if failing is not None:
-            print(f"radixserve: {failing.name} exited with code {failing.process.returncode} "
-                  f"{failing.num_restarts} times during start-up", file=sys.stderr)
+            say(f"{lead}radixserve: {failing.name} exited with code {failing.process.returncode} "
+                f"{failing.num_restarts} times during start-up")
             return False
         if _healthy(url):
             return True
-        print(f"\rradixserve: loading the model ... {time.monotonic() - started:4.0f}s", end="",
-              file=sys.stderr, flush=True)
+        elapsed = time.monotonic() - started
+        if tty:
+            sys.stderr.write(f"\rradixserve: loading the model ... {elapsed:4.0f}s")
+            sys.stderr.flush()
+        elif elapsed - shown >= PROGRESS_EVERY_S:
+            say(f"radixserve: loading the model ... {elapsed:.0f}s")
+            shown = elapsed
         if stop.wait(1.0):  # a stop signal needs no ready server (and SIGTERM must not wait for one)
             return True
-    print(f"\nradixserve: no worker became ready within {timeout_s:.0f}s", file=sys.stderr)
+    say(f"{lead}radixserve: no worker became ready within {timeout_s:.0f}s")
     return False
 
 
@@ -311,7 +329,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         workers = worker_roles(args)
     except ValueError as exc:
-        print(f"radixserve: {exc}", file=sys.stderr)
+        say(f"radixserve: {exc}")
         return 2
     run_dir = Path(tempfile.mkdtemp(prefix="radixserve-"))
     env = dict(os.environ, RADIXSERVE_LOG_JSON=os.environ.get("RADIXSERVE_LOG_JSON", "0"))
@@ -330,13 +348,13 @@ def run_serve(args: argparse.Namespace) -> int:
         if not wait_ready(suite, url, args.ready_timeout, stop, env):
             return 1
         if not stop.is_set():
-            print(f"\nradixserve ready: {url}/v1  (model {args.model}, {_describe(workers)}); Ctrl-C stops",
-                  file=sys.stderr, flush=True)
+            lead = "\n" if sys.stderr.isatty() else ""  # ends wait_ready's progress line on a terminal
+            say(f"{lead}radixserve ready: {url}/v1  (model {args.model}, {_describe(workers)}); Ctrl-C stops")
         while not stop.is_set():  # supervise: a child that dies is started again after its backoff
             for line in suite.supervise(env, time.monotonic()):
-                print(f"radixserve: {line}", file=sys.stderr, flush=True)
+                say(f"radixserve: {line}")
             stop.wait(0.2)  # NOTE: the signal handler's set() ends this wait at once, not at the next poll
         return 0
     finally:
         suite.stop(drain_timeout_s=args.drain_timeout)
-        print("radixserve: stopped", file=sys.stderr)
+        say("radixserve: stopped")
