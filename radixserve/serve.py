@@ -19,6 +19,7 @@ from services.gpu_worker.config import WorkerConfig
 from services.scheduler.config import SchedulerConfig
 from services.tokenizer.config import TokenizerConfig
 from shared.config import config_argument
+from shared.logging import write_line
 
 # Flags serve declares from the services' own config fields (their defaults, choices, help and checks) and passes
 # on unchanged to each child of that service.
@@ -116,13 +117,6 @@ class Suite:
             _terminate([self.redis], timeout_s)
 
 
-def say(text: str) -> None:
-    """One of serve's own lines on the stderr its children share, text and newline in one write: print writes them
-    apart, and with an unbuffered stderr (PYTHONUNBUFFERED) a child's log line could land between the two."""
-    sys.stderr.write(text + "\n")
-    sys.stderr.flush()
-
-
 def _terminate(children: list[Child], timeout_s: float) -> None:
     for child in children:
         if child.process and child.process.poll() is None:
@@ -134,7 +128,7 @@ def _terminate(children: list[Child], timeout_s: float) -> None:
         try:
             child.process.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            say(f"radixserve: {child.name} did not stop within {timeout_s:g}s; killing it")
+            write_line(f"radixserve: {child.name} did not stop within {timeout_s:g}s; killing it")
             child.process.kill()
             child.process.wait()
 
@@ -296,11 +290,11 @@ def wait_ready(suite: Suite, url: str, timeout_s: float, stop: threading.Event, 
     started, shown = time.monotonic(), -PROGRESS_EVERY_S
     while time.monotonic() - started < timeout_s:
         for line in suite.supervise(env, time.monotonic()):
-            say(f"{lead}radixserve: {line}")
+            write_line(f"{lead}radixserve: {line}")
         failing = next((c for c in suite.supervised if c.num_restarts > MAX_STARTUP_RESTARTS), None)
         if failing is not None:
-            say(f"{lead}radixserve: {failing.name} exited with code {failing.process.returncode} "
-                f"{failing.num_restarts} times during start-up")
+            write_line(f"{lead}radixserve: {failing.name} exited with code {failing.process.returncode} "
+                       f"{failing.num_restarts} times during start-up")
             return False
         if _healthy(url):
             return True
@@ -309,11 +303,11 @@ def wait_ready(suite: Suite, url: str, timeout_s: float, stop: threading.Event, 
             sys.stderr.write(f"\rradixserve: loading the model ... {elapsed:4.0f}s")
             sys.stderr.flush()
         elif elapsed - shown >= PROGRESS_EVERY_S:
-            say(f"radixserve: loading the model ... {elapsed:.0f}s")
+            write_line(f"radixserve: loading the model ... {elapsed:.0f}s")
             shown = elapsed
         if stop.wait(1.0):  # a stop signal needs no ready server (and SIGTERM must not wait for one)
             return True
-    say(f"{lead}radixserve: no worker became ready within {timeout_s:.0f}s")
+    write_line(f"{lead}radixserve: no worker became ready within {timeout_s:.0f}s")
     return False
 
 
@@ -329,7 +323,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         workers = worker_roles(args)
     except ValueError as exc:
-        say(f"radixserve: {exc}")
+        write_line(f"radixserve: {exc}")
         return 2
     run_dir = Path(tempfile.mkdtemp(prefix="radixserve-"))
     env = dict(os.environ, RADIXSERVE_LOG_JSON=os.environ.get("RADIXSERVE_LOG_JSON", "0"))
@@ -349,12 +343,12 @@ def run_serve(args: argparse.Namespace) -> int:
             return 1
         if not stop.is_set():
             lead = "\n" if sys.stderr.isatty() else ""  # ends wait_ready's progress line on a terminal
-            say(f"{lead}radixserve ready: {url}/v1  (model {args.model}, {_describe(workers)}); Ctrl-C stops")
+            write_line(f"{lead}radixserve ready: {url}/v1  (model {args.model}, {_describe(workers)}); Ctrl-C stops")
         while not stop.is_set():  # supervise: a child that dies is started again after its backoff
             for line in suite.supervise(env, time.monotonic()):
-                say(f"radixserve: {line}")
+                write_line(f"radixserve: {line}")
             stop.wait(0.2)  # NOTE: the signal handler's set() ends this wait at once, not at the next poll
         return 0
     finally:
         suite.stop(drain_timeout_s=args.drain_timeout)
-        say("radixserve: stopped")
+        write_line("radixserve: stopped")

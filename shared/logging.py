@@ -22,3 +22,10 @@ def configure_logging(service: str, level: str | None = None) -> None:
         logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True)
     structlog.contextvars.bind_contextvars(service=service)
+
+
+def write_line(text: str) -> None:
+    """A plain line on stderr (serve's own lines, a worker's load progress), text and newline in one write: print
+    writes them apart, and with an unbuffered stderr (PYTHONUNBUFFERED) another process's line could land between."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()

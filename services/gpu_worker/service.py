@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
-import sys
 import time
 import uuid
 
@@ -23,6 +22,7 @@ from services.gpu_worker.kv_transfer.stream import PageServer
 from services.gpu_worker.parallel.tp_engine import LockstepEngine, start_engine
 from shared import hashing, transport
 from shared.actor import Actor
+from shared.logging import write_line
 from shared.messages import (AbortRequest, KVReady, PrefillRequest, ReleaseLease, SnapshotRequest,
                              TokenizedRequest, WorkerGone, WorkerHeartbeat, WorkerInbound, WorkerLoad)
 
@@ -96,8 +96,8 @@ class WorkerService(Actor):
 
         async def progress() -> None:
             while True:
-                print(f"gpu_worker {self.worker_id}: loading {self.config.model} "
-                      f"({time.monotonic() - started:.0f}s)", file=sys.stderr, flush=True)
+                write_line(f"gpu_worker {self.worker_id}: loading {self.config.model} "
+                           f"({time.monotonic() - started:.0f}s)")
                 await asyncio.sleep(LOAD_PROGRESS_INTERVAL_S)
 
         reporter = asyncio.ensure_future(progress())
@@ -105,8 +105,7 @@ class WorkerService(Actor):
             engine = await asyncio.to_thread(start_engine, self.config.engine_config())
         finally:
             reporter.cancel()
-        print(f"gpu_worker {self.worker_id}: model loaded in {time.monotonic() - started:.1f}s",
-              file=sys.stderr, flush=True)
+        write_line(f"gpu_worker {self.worker_id}: model loaded in {time.monotonic() - started:.1f}s")
         if isinstance(engine, LockstepEngine):
             self._tp_engine = engine
         return engine
