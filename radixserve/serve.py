@@ -283,8 +283,9 @@ def wait_ready(suite: Suite, url: str, timeout_s: float, stop: threading.Event, 
     later, but one that dies more than MAX_STARTUP_RESTARTS times before the server is ready fails the start-up (a
     bad flag or model fails each time). False then, or when time runs out.
 
-    The progress rewrites one line on a terminal; elsewhere (a log file, a container) it is a whole line every
-    PROGRESS_EVERY_S, since a line left open there would run into the next child's log line."""
+    The progress rewrites one line on a terminal, ended before any other line and on return; elsewhere (a log file,
+    a container) it is a whole line every PROGRESS_EVERY_S, since a line left open there would run into the next
+    child's log line."""
     tty = sys.stderr.isatty()
     lead = "\n" if tty else ""  # ends the progress line on a terminal
     started, shown = time.monotonic(), -PROGRESS_EVERY_S
@@ -297,7 +298,7 @@ def wait_ready(suite: Suite, url: str, timeout_s: float, stop: threading.Event, 
                        f"{failing.num_restarts} times during start-up")
             return False
         if _healthy(url):
-            return True
+            return _end_progress(tty)
         elapsed = time.monotonic() - started
         if tty:
             sys.stderr.write(f"\rradixserve: loading the model ... {elapsed:4.0f}s")
@@ -306,7 +307,7 @@ def wait_ready(suite: Suite, url: str, timeout_s: float, stop: threading.Event, 
             write_line(f"radixserve: loading the model ... {elapsed:.0f}s")
             shown = elapsed
         if stop.wait(1.0):  # a stop signal needs no ready server (and SIGTERM must not wait for one)
-            return True
+            return _end_progress(tty)
     write_line(f"{lead}radixserve: no worker became ready within {timeout_s:.0f}s")
     return False
 
@@ -317,6 +318,13 @@ def _healthy(url: str) -> bool:
             return resp.status == 200
     except (urllib.error.URLError, OSError):
         return False
+
+
+def _end_progress(tty: bool) -> bool:
+    """wait_ready's True, its progress line on a terminal ended first (the next line starts on its own)."""
+    if tty:
+        write_line("")
+    return True
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -342,8 +350,7 @@ def run_serve(args: argparse.Namespace) -> int:
         if not wait_ready(suite, url, args.ready_timeout, stop, env):
             return 1
         if not stop.is_set():
-            lead = "\n" if sys.stderr.isatty() else ""  # ends wait_ready's progress line on a terminal
-            write_line(f"{lead}radixserve ready: {url}/v1  (model {args.model}, {_describe(workers)}); Ctrl-C stops")
+            write_line(f"radixserve ready: {url}/v1  (model {args.model}, {_describe(workers)}); Ctrl-C stops")
         while not stop.is_set():  # supervise: a child that dies is started again after its backoff
             for line in suite.supervise(env, time.monotonic()):
                 write_line(f"radixserve: {line}")

@@ -42,7 +42,7 @@ def restore_structlog():
 def test_each_log_line_is_one_write_ending_in_its_newline(json_lines: str, monkeypatch: pytest.MonkeyPatch,
                                                           restore_structlog: None) -> None:
     stream = RecordingStream()
-    monkeypatch.setattr(sys, "stderr", stream)  # NOTE: in the test's body: pytest's capture resets sys.stderr after setup
+    monkeypatch.setattr(sys, "stderr", stream)  # NOTE: in the body: pytest's capture resets sys.stderr after setup
     monkeypatch.setenv("RADIXSERVE_LOG_JSON", json_lines)
     configure_logging("cache_index")
     log = structlog.get_logger()
